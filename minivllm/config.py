@@ -1,0 +1,120 @@
+"""Engine configuration: one dataclass whose fields are also the CLI flags (vLLM's names)."""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+import torch
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+               "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "2GiB", "512MB", "1e9"."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"kv_cache_memory: cannot parse size {value!r} (use e.g. '2GiB' or '512MB')")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _flag(help: str, default: Any = MISSING, choices: tuple | None = None, **kw: Any) -> Any:
+    meta = {"help": help, "choices": choices}
+    if "default_factory" in kw:
+        return field(default_factory=kw["default_factory"], metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = _flag("GGUF file or Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)", None)
+    dtype: str = _flag("weights and KV cache dtype", "auto", ("auto", "float32", "bfloat16", "float16"))
+    device: str = _flag("where the model runs", "auto", ("auto", "cpu", "cuda"))
+    max_model_len: int | None = _flag("longest prompt + output (default: the model's context length)", None)
+    block_size: int = _flag("tokens per KV-cache block", 16)
+    num_kv_blocks: int | None = _flag("size the KV pool by blocks (overrides --kv-cache-memory)", None)
+    kv_cache_memory: str = _flag("size the KV pool by bytes, e.g. 2GiB", "1GiB")
+    max_num_seqs: int = _flag("most sequences running at once", 256)
+    max_num_batched_tokens: int = _flag("token budget of one engine step", 2048)
+    enable_chunked_prefill: bool = _flag("split long prompts over several steps", True)
+    long_prefill_token_threshold: int = _flag("cap on one prompt's chunk per step (0: the budget)", 0)
+    max_num_partial_prefills: int = _flag("prompts that may be cut mid-way in one step", 1)
+    schedule_order: str = _flag("who gets the token budget first", "decode-first", ("decode-first", "prefill-first"))
+    scheduling_policy: str = _flag("order of the waiting queue and choice of preemption victims",
+                                   "fcfs", ("fcfs", "sjf", "priority", "fair"))
+    scheduler: str = _flag("continuous batching, or static batching as a baseline", "continuous",
+                           ("continuous", "static"))
+    static_batch_size: int = _flag("batch size of --scheduler static", 32)
+    enable_prefix_caching: bool = _flag("reuse KV blocks of identical prompt prefixes", True)
+    watermark: float = _flag("share of KV blocks kept free when admitting a prompt", 0.01)
+    seed: int = _flag("seed of unseeded random sampling", 0)
+    trace_file: str | None = _flag("write a per-step CSV trace here (and a Chrome trace .json beside it)", None)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size",
+                     "max_num_partial_prefills"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        parse_size(self.kv_cache_memory)
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if bf16_is_fast(self.torch_device) else torch.float32
+        return getattr(torch, self.dtype)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        for f in fields(EngineConfig):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=f.metadata["help"])
+                continue
+            kind = {"int": int, "int | None": int}.get(f.type, str)
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+                                help=f"{f.metadata['help']} (default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values.update(overrides)
+        return cls(**values)
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """bfloat16 is the default only where the hardware computes it natively."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

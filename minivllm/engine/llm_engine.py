@@ -1,0 +1,220 @@
+"""The engine: requests in, one scheduled forward per `step()`, RequestOutputs out.
+
+    add_request -> Sequence(WAITING)
+    step(): Scheduler.schedule -> ModelRunner.execute -> Sampler -> update (append, detokenize,
+            check stops, free the blocks of finished sequences) -> RequestOutputs
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+
+from minivllm.config import EngineConfig, parse_size
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.policies import POLICIES
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput, will_sample
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.static_scheduler import StaticBatchScheduler
+from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.loader import load_checkpoint, resolve_model_path
+from minivllm.model.runner import ModelRunner, kv_bytes_per_block
+from minivllm.model.sampler import Sampler
+from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        self.config = config = config or EngineConfig(**kwargs)
+        path = resolve_model_path(config.model)
+        self.model_config, weights = load_checkpoint(path)
+        self.tokenizer = Tokenizer(path, self.model_config)
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+
+        num_blocks = config.num_kv_blocks or max(
+            1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(self.model_config, config.block_size, self.dtype))
+        self.max_model_len = self._max_model_len(num_blocks)
+        model = LlamaForCausalLM(self.model_config, self.max_model_len)
+        model.load_weights(weights)
+        model.to(device=self.device, dtype=self.dtype).eval()
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
+        self.sampler = Sampler(self.device, config.seed)
+
+        static = config.scheduler == "static"
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not static)
+        policy = POLICIES[config.scheduling_policy]()
+        self.scheduler = (StaticBatchScheduler(config, self.block_manager, policy, max_model_len=self.max_model_len)
+                          if static else Scheduler(config, self.block_manager, policy))
+        self.requests: dict[str, Sequence] = {}  # unfinished requests
+        self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
+        self._ids = itertools.count()
+        self.stats = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "padding_tokens": 0,
+                      "finished_requests": 0}
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        capacity = num_blocks * self.config.block_size
+        wanted = self.config.max_model_len or self.model_config.max_position_embeddings
+        if self.config.max_model_len and self.config.max_model_len > capacity:
+            raise ValueError(f"max_model_len {self.config.max_model_len} needs more KV cache than the "
+                             f"{num_blocks} blocks x {self.config.block_size} tokens configured")
+        return min(wanted, capacity)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, tenant: str = "default") -> str:
+        """Queue a request; raises ValueError (naming the problem) for an invalid one."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token must fit)")
+        if params.n != 1:
+            raise ValueError("n > 1 is served by LLM.generate and the server, which fan out; the engine takes n=1")
+        seq = Sequence(request_id, text, token_ids, params,
+                       RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
+                       priority=priority, tenant=str(tenant), eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt_token_ids is empty")
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request in any state; a finished or unknown id is a no-op."""
+        seq = self.requests.pop(str(request_id), None)
+        if seq is None:
+            return
+        self.scheduler.finish(seq, "abort")
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._make_output(s) for s in self._aborted]
+        self._aborted = []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        sampling = [s for s, n in sched.scheduled if will_sample(s, n)]
+        logits = self.runner.execute(sched)
+        sampled = self.sampler(logits, sampling) if sampling else None
+        self.scheduler.on_step_done(sched)
+        self._count(sched)
+        now = time.perf_counter()
+        for i, seq in enumerate(sampling):
+            self._append(seq, sampled.token_ids[i], sampled.logprobs[i], now)
+        outputs.extend(self._make_output(s) for s in sampling)
+        return outputs
+
+    def _count(self, sched: SchedulerOutput) -> None:
+        self.stats["num_steps"] += 1
+        self.stats["padding_tokens"] += sched.num_padding_tokens
+        self.stats["prompt_tokens"] += sched.num_prefill_tokens
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        seq.append_token(token)
+        self.stats["generation_tokens"] += 1
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.token_times.append(now)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        delta = seq.detokenizer.add(token)
+        reason = self._stop_reason(seq, token, delta)
+        if reason:
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq, reason)
+            self.stats["finished_requests"] += 1
+
+    def _stop_reason(self, seq: Sequence, token: int, delta: str) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if not p.ignore_eos and token in seq.eos_token_ids:
+                return "stop"
+            if p.stop_strings and delta and self._cut_at_stop_string(seq, delta):
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence, delta: str) -> bool:
+        detok, p = seq.detokenizer, seq.params
+        longest = max(len(s) for s in p.stop_strings)
+        # Only a stop string that ends inside the new text can be new.
+        window_start = max(0, len(detok.text) - len(delta) - longest + 1)
+        for stop in p.stop_strings:
+            at = detok.text.find(stop, window_start)
+            if at >= 0:
+                detok.text = detok.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
+                seq.stop_reason = stop
+                return True
+        return False
+
+    def _make_output(self, seq: Sequence) -> RequestOutput:
+        text = seq.detokenizer.text
+        p = seq.params
+        if not seq.is_finished and p.stop_strings and not p.include_stop_str_in_output:
+            # Hold back what may be the start of a stop string, so that a stream never shows it.
+            text = text[: max(0, len(text) - max(len(s) for s in p.stop_strings) + 1)]
+        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
+                                      list(seq.logprobs) if seq.logprobs is not None else None,
+                                      seq.cumulative_logprob if seq.logprobs is not None else None)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
+                             seq.metrics)
+
+    # -- introspection ----------------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {**self.stats,
+                "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_cache_usage": bm.usage,
+                "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits}
+
+    @property
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return "cpu"

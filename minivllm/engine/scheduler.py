@@ -1,0 +1,221 @@
+"""Continuous batching: every step the scheduler rebuilds the batch under three budgets.
+
+Budgets: tokens per step (`max_num_batched_tokens`), running sequences (`max_num_seqs`) and free
+KV-cache blocks. One rule covers prefill and decode: a scheduled sequence gets `num_new_tokens` =
+what it still lacks (`num_tokens - num_computed_tokens`), cut to the budget left. A decode is the
+case where that is 1. The policy (policies.py) decides the order of the waiting queue and the
+preemption victims; this file decides how budgets are spent.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from minivllm.config import EngineConfig
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.policies import SchedulingPolicy
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, num_new_tokens)
+    # Tokens computed for nothing: static batching's prompt padding and its finished members' slots.
+    num_padding_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for seq, n in self.scheduled if is_decode(seq, n))
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_scheduled_tokens - self.num_decode_tokens
+
+
+def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
+    return num_new_tokens == 1 and seq.num_output_tokens > 0 and seq.num_uncomputed_tokens == 1
+
+
+def will_sample(seq: Sequence, num_new_tokens: int) -> bool:
+    """A sequence samples once the step computes its last token."""
+    return seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+
+
+class SchedulerBase:
+    """Queues, admission, preemption and finishing: what every scheduler shares."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: SchedulingPolicy) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = policy
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.policy.on_add(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in (*self.running, *self.waiting) if s.request_id == request_id), None)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` in any state, freeing its blocks. Finishing twice is a no-op."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finished_time = time.perf_counter()
+        self.policy.on_finish(seq)
+
+    def on_step_done(self, output: SchedulerOutput) -> None:
+        """The runner has written K/V for every scheduled token."""
+        for seq, n in output.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+
+    def _admit(self, seq: Sequence, num_new_tokens: int, hits: list[int], output: SchedulerOutput) -> None:
+        self.block_manager.allocate(seq, num_new_tokens, hits)
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.perf_counter()
+        self._record(seq, num_new_tokens, output)
+
+    def _record(self, seq: Sequence, num_new_tokens: int, output: SchedulerOutput) -> None:
+        output.scheduled.append((seq, num_new_tokens))
+        self.policy.on_scheduled(seq, num_new_tokens)
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> int:
+        """Preempt by recompute: drop `seq`'s K/V and send it to the front of the queue; its
+        output so far is kept. Returns the tokens it had been granted this step (to refund)."""
+        refund = 0
+        for i, (s, n) in enumerate(output.scheduled):
+            if s is seq:
+                refund = n
+                del output.scheduled[i]
+                break
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, seq)
+        output.preempted.append(seq)
+        return refund
+
+
+class Scheduler(SchedulerBase):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: SchedulingPolicy) -> None:
+        super().__init__(config, block_manager, policy)
+        self.reserve_blocks = int(config.watermark * block_manager.num_blocks)
+        # Without chunking, a prompt that found no room after the decodes gets the next step first.
+        self._prefill_next = False
+
+    def schedule(self) -> SchedulerOutput:
+        now = time.perf_counter()
+        output = SchedulerOutput()
+        self.budget = self.config.max_num_batched_tokens
+        self.num_partial = 0
+        decodes = [s for s in self.running if not s.is_prefilling]
+        prefills = [s for s in self.running if s.is_prefilling]
+        if self.config.schedule_order == "prefill-first" or self._prefill_next:
+            self._prefill_next = False
+            self._schedule_running(prefills, output)
+            self._schedule_waiting(output, now)
+            self._schedule_running(decodes, output)
+        else:
+            self._schedule_running(decodes + prefills, output)
+            self._schedule_waiting(output, now)
+        return output
+
+    def _chunk(self, seq: Sequence, num_uncomputed: int) -> int:
+        """How many of `num_uncomputed` tokens `seq` gets this step (0: none)."""
+        n = min(num_uncomputed, self.budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and num_uncomputed > 1:
+            n = min(n, threshold)
+        if n < num_uncomputed:
+            if not self.config.enable_chunked_prefill or self.num_partial >= self.config.max_num_partial_prefills:
+                return 0
+        return n
+
+    def _schedule_running(self, candidates: list[Sequence], output: SchedulerOutput) -> None:
+        for seq in candidates:
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
+            n = self._chunk(seq, seq.num_uncomputed_tokens)
+            if n == 0:
+                continue
+            while not self.block_manager.can_append(seq, n):
+                victim = self.policy.pick_victim(self.running)
+                self.budget += self._preempt(victim, output)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq, n)
+                self.num_partial += n < seq.num_uncomputed_tokens
+                self.budget -= n
+                self._record(seq, n, output)
+
+    def _schedule_waiting(self, output: SchedulerOutput, now: float) -> None:
+        if output.preempted:  # memory is short: let the running sequences drain first
+            return
+        self.policy.sort_waiting(self.waiting, now)
+        for seq in list(self.waiting):
+            if self.budget == 0:
+                return
+            hits = self.block_manager.match_prefix(seq)
+            num_uncomputed = seq.num_tokens - len(hits) * self.block_manager.block_size
+            n = self._chunk(seq, num_uncomputed)
+            if n == 0 and not self.config.enable_chunked_prefill:
+                if output.scheduled:  # the whole prompt does not fit beside the others
+                    self._prefill_next = True
+                    return
+                n = num_uncomputed  # longer than the whole budget: it runs alone
+            if n == 0:
+                return
+            reserve = self.reserve_blocks if self.running else 0
+            while (len(self.running) >= self.config.max_num_seqs
+                   or not self.block_manager.can_allocate(seq, n, hits, reserve)):
+                if not self._preempt_for(seq, output, now):
+                    return  # keep the policy's order: nobody jumps the head of the queue
+                reserve = self.reserve_blocks if self.running else 0
+            self.num_partial += n < num_uncomputed
+            self.budget -= n
+            self._admit(seq, n, hits, output)
+
+    def _preempt_for(self, seq: Sequence, output: SchedulerOutput, now: float) -> bool:
+        """Make room for a blocked waiting `seq` if the policy ranks it above a running one."""
+        if not self.running:
+            return False
+        victim = self.policy.pick_victim(self.running)
+        if not self.policy.may_preempt_for(seq, victim, now):
+            return False
+        self.budget += self._preempt(victim, output)
+        self.waiting.remove(victim)  # behind `seq`, which is being admitted: keep queue order sane
+        self.waiting.append(victim)
+        return True

@@ -1,0 +1,76 @@
+"""One request's state as the scheduler, block manager and runner see it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from minivllm.outputs import RequestMetrics
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # a preempted sequence is WAITING again, with its computed work dropped
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    priority: int = 0
+    tenant: str = "default"
+    eos_token_ids: tuple[int, ...] = ()
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # How many of `token_ids` already have their K/V in the cache.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of this sequence's full blocks (prefix caching), in block order.
+    block_hashes: list[int] = field(default_factory=list)
+    # How many leading blocks of `block_table` the block manager has registered in the prefix cache.
+    num_cached_blocks: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    detokenizer: Any = None  # the engine's IncrementalDetokenizer
+    generator: Any = None  # the sampler's per-request torch.Generator, when the request has a seed
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last token lacks K/V (the prompt, or work dropped by preemption)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)

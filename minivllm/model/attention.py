@@ -1,0 +1,76 @@
+"""Attention over the paged KV cache.
+
+The runner packs a step's tokens as [decode tokens | prefill tokens | padding]. Each layer first
+writes the new K/V into the cache through `slot_mapping`, then attends: all decodes together in one
+batched call reading their blocks through `decode_block_tables`, then each prefill chunk on its own
+(a fresh prompt attends to its own K/V directly; a later chunk reads its context from the cache).
+Padding tokens (static batching) attend to nothing: their output is zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first token in the packed batch
+    num_tokens: int
+    context_len: int  # tokens attended to by the last query: cached + this chunk
+    block_table: torch.Tensor | None = None  # set when part of the context is already cached
+    mask: torch.Tensor | None = None  # [num_tokens, context_len] causal mask offset by the cached part
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_real_tokens]: cache slot of each new token's K/V
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads,
+    head_dim]. Returns [T, heads, head_dim]."""
+    n = meta.num_real_tokens
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k[:n])
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[:n])
+    out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
+
+    d = meta.num_decodes
+    if d:
+        keys = _gather(k_cache, meta.decode_block_tables)  # [d, kv_heads, ctx, head_dim]
+        values = _gather(v_cache, meta.decode_block_tables)
+        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                           scale=scale, enable_gqa=True)
+        out[:d] = o.squeeze(2)
+
+    for p in meta.prefills:
+        end = p.start + p.num_tokens
+        query = q[p.start:end].transpose(0, 1).unsqueeze(0)
+        if p.block_table is None:
+            keys = k[p.start:end].transpose(0, 1).unsqueeze(0)
+            values = v[p.start:end].transpose(0, 1).unsqueeze(0)
+        else:
+            keys = _gather(k_cache, p.block_table[None])[:, :, :p.context_len]
+            values = _gather(v_cache, p.block_table[None])[:, :, :p.context_len]
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, is_causal=p.mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[p.start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[batch, max_blocks] block ids -> [batch, kv_heads, max_blocks * block_size, head_dim]."""
+    blocks = cache[block_tables]  # [batch, max_blocks, block_size, kv_heads, head_dim]
+    return blocks.flatten(1, 2).transpose(1, 2)
