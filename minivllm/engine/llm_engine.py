@@ -18,6 +18,7 @@ from minivllm.engine.policies import POLICIES
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput, will_sample
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.static_scheduler import StaticBatchScheduler
+from minivllm.engine.trace import StepRow, StepTracer
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import load_checkpoint, resolve_model_path
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
@@ -54,6 +55,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
         self._ids = itertools.count()
+        self.start_time = time.perf_counter()
+        self.tracer = StepTracer(config.trace_file, self.start_time) if config.trace_file else None
         self.stats = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "padding_tokens": 0,
                       "finished_requests": 0}
 
@@ -125,6 +128,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._make_output(s) for s in self._aborted]
         self._aborted = []
+        t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
@@ -132,17 +136,25 @@ class LLMEngine:
         logits = self.runner.execute(sched)
         sampled = self.sampler(logits, sampling) if sampling else None
         self.scheduler.on_step_done(sched)
-        self._count(sched)
         now = time.perf_counter()
         for i, seq in enumerate(sampling):
             self._append(seq, sampled.token_ids[i], sampled.logprobs[i], now)
+        self._count(sched, t_start, [s for s in sampling if s.is_finished])
         outputs.extend(self._make_output(s) for s in sampling)
         return outputs
 
-    def _count(self, sched: SchedulerOutput) -> None:
+    def _count(self, sched: SchedulerOutput, t_start: float, finished: list[Sequence]) -> None:
         self.stats["num_steps"] += 1
         self.stats["padding_tokens"] += sched.num_padding_tokens
         self.stats["prompt_tokens"] += sched.num_prefill_tokens
+        if self.tracer:
+            bm, t0 = self.block_manager, self.start_time
+            row = StepRow(self.stats["num_steps"], t_start - t0, time.perf_counter() - t0,
+                          sched.num_scheduled_tokens + sched.num_padding_tokens, sched.num_prefill_tokens,
+                          sched.num_decode_tokens, sched.num_padding_tokens, self.scheduler.num_running,
+                          self.scheduler.num_waiting, bm.num_used_blocks, bm.num_blocks, len(sched.preempted),
+                          len(finished))
+            self.tracer.record(row, sched, finished)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         seq.append_token(token)
@@ -203,6 +215,12 @@ class LLMEngine:
                                       seq.cumulative_logprob if seq.logprobs is not None else None)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.metrics)
+
+    def close(self) -> None:
+        """Write out the trace, if one is kept."""
+        if self.tracer:
+            self.tracer.close()
+            self.tracer = None
 
     # -- introspection ----------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:

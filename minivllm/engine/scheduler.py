@@ -20,6 +20,8 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, num_new_tokens)
+    # Whether each scheduled entry is a decode, fixed when scheduled (computed counts move on later).
+    decode_flags: list[bool] = field(default_factory=list)
     # Tokens computed for nothing: static batching's prompt padding and its finished members' slots.
     num_padding_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
@@ -30,7 +32,7 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for seq, n in self.scheduled if is_decode(seq, n))
+        return sum(self.decode_flags)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -106,6 +108,7 @@ class SchedulerBase:
 
     def _record(self, seq: Sequence, num_new_tokens: int, output: SchedulerOutput) -> None:
         output.scheduled.append((seq, num_new_tokens))
+        output.decode_flags.append(is_decode(seq, num_new_tokens))
         self.policy.on_scheduled(seq, num_new_tokens)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> int:
@@ -116,6 +119,7 @@ class SchedulerBase:
             if s is seq:
                 refund = n
                 del output.scheduled[i]
+                del output.decode_flags[i]
                 break
         self.running.remove(seq)
         self.block_manager.free(seq)

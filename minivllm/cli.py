@@ -1,0 +1,138 @@
+"""`minivllm generate|chat|demo|serve|bench`."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from minivllm.config import EngineConfig
+from minivllm.sampling_params import SamplingParams
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about a cat watching the rain.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for learning a new language.",
+    "What is 12 times 7? Answer with the number and one sentence.",
+    "Name a famous painting and its painter.",
+    "Translate 'good morning, my friend' into French.",
+    "Why do we batch requests when serving a language model?",
+]
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None, dest="sampling_seed", help="per-request sampling seed")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--min-tokens", type=int, default=0)
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                          min_tokens=args.min_tokens)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from minivllm.llm import LLM
+
+    params = sampling_from_args(args)
+    llm = LLM(**vars(EngineConfig.from_cli_args(args)))
+    prompts = [llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat_template else p
+               for p in args.prompt]
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        print(out.outputs[0].text)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    """An interactive chat that streams tokens as the engine makes them."""
+    from minivllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    params = sampling_from_args(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("minivllm chat: type a message, an empty line or Ctrl-D to quit.", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        rid = engine.add_request(None, engine.tokenizer.apply_chat_template(messages), params)
+        shown, reply = 0, ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid:
+                    reply = out.outputs[0].text
+                    print(reply[shown:], end="", flush=True)
+                    shown = len(reply)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """The main job on the default model: several chat prompts, batched together."""
+    from minivllm.llm import LLM
+
+    print("Loading the default model (SmolLM2-135M-Instruct, Q4_1 GGUF)...", flush=True)
+    llm = LLM(**vars(EngineConfig.from_cli_args(args)))
+    engine = llm.engine
+    print(f"device={engine.device_name} dtype={str(engine.dtype).removeprefix('torch.')} "
+          f"kv_blocks={engine.block_manager.num_blocks} x {engine.config.block_size} tokens", flush=True)
+    start = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": p}] for p in DEMO_PROMPTS], sampling_from_args(args))
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(DEMO_PROMPTS, outs):
+        m = out.metrics
+        print(f"\n### {prompt}\n{out.outputs[0].text.strip()}\n"
+              f"[{len(out.outputs[0].token_ids)} tokens, {out.outputs[0].finish_reason}; "
+              f"TTFT {m.ttft * 1000:.0f} ms, E2E {m.e2e:.2f} s]")
+    stats = engine.get_stats()
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    print(f"\n{len(outs)} requests batched together in {stats['num_steps']} engine steps, {elapsed:.2f} s: "
+          f"{n_in} prompt + {n_out} generated tokens, {n_out / elapsed:.1f} output tok/s, "
+          f"{(n_in + n_out) / elapsed:.1f} total tok/s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate a completion for one or more prompts")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
+    add_sampling_args(p)
+    EngineConfig.add_cli_args(p, skip=("seed",))
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat, streamed")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(p, max_tokens=256)
+    EngineConfig.add_cli_args(p, skip=("seed",))
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("demo", help="answer a batch of prompts with the default model")
+    add_sampling_args(p, max_tokens=96)
+    EngineConfig.add_cli_args(p, skip=("seed",))
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"minivllm: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
