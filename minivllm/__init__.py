@@ -1,10 +1,18 @@
 """minivllm: a compact LLM inference engine with continuous batching and a paged KV cache."""
-from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.llm import LLM
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from importlib import import_module
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestMetrics"]
 __version__ = "0.1.0"
+
+# Imported on first use, so that the scheduler (and its tests) can be used without loading torch.
+_EXPORTS = {
+    "LLM": "minivllm.llm", "LLMEngine": "minivllm.engine.llm_engine", "EngineConfig": "minivllm.config",
+    "SamplingParams": "minivllm.sampling_params", "RequestOutput": "minivllm.outputs",
+    "CompletionOutput": "minivllm.outputs", "RequestMetrics": "minivllm.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'minivllm' has no attribute {name!r}")

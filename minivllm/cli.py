@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -101,6 +102,17 @@ def cmd_demo(args: argparse.Namespace) -> None:
           f"{(n_in + n_out) / elapsed:.1f} total tok/s")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.model.loader import resolve_model_path
+    from minivllm.server import ServerOptions, serve
+
+    config = EngineConfig.from_cli_args(args, **({"model": args.model_tag} if args.model_tag else {}))
+    options = ServerOptions(args.served_model_name or config.model or resolve_model_path(None).stem, args.api_key,
+                            args.max_waiting_requests)
+    serve(LLMEngine(config), options, args.host, args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=96)
     EngineConfig.add_cli_args(p, skip=("seed",))
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
+    p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: MODEL)")
+    p.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MINIVLLM_API_KEY)")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 while this many requests wait (default: no limit)")
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    from minivllm.bench.cli import add_bench_parser  # bench keeps its flags in minivllm/bench/
+    add_bench_parser(sub)
     return parser
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
                "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
@@ -74,7 +75,9 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -82,7 +85,9 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if bf16_is_fast(self.torch_device) else torch.float32
         return getattr(torch, self.dtype)
@@ -108,8 +113,10 @@ class EngineConfig:
         return cls(**values)
 
 
-def bf16_is_fast(device: torch.device) -> bool:
+def bf16_is_fast(device: "torch.device") -> bool:
     """bfloat16 is the default only where the hardware computes it natively."""
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     try:

@@ -53,12 +53,8 @@ class LLM:
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int, tenant: str) -> list[str]:
         """Fan a request with n > 1 out into n engine requests (seeds kept distinct)."""
         base = f"offline-{time.perf_counter_ns()}"
-        ids = []
-        for k in range(params.n):
-            child = SamplingParams(**{**_fields(params), "n": 1,
-                                      "seed": None if params.seed is None else params.seed + k})
-            ids.append(self.engine.add_request(f"{base}-{k}", prompt, child, priority=priority, tenant=tenant))
-        return ids
+        return [self.engine.add_request(f"{base}-{k}", prompt, child, priority=priority, tenant=tenant)
+                for k, child in enumerate(params.fan_out())]
 
     def _run(self, request_ids: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -88,10 +84,6 @@ def _per_prompt(value: Any, n: int, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
-
-
-def _fields(params: SamplingParams) -> dict[str, Any]:
-    return {k: v for k, v in vars(params).items() if not k.startswith("_")}
 
 
 def _merge(outs: list[RequestOutput]) -> RequestOutput:

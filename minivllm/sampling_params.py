@@ -1,7 +1,10 @@
 """Per-request sampling and stopping parameters, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+
+_GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -43,7 +46,8 @@ class SamplingParams:
         check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
               "top_k", "must be -1 (disabled) or >= 1")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
+              "seed", "must be an integer in [-2**63, 2**64)")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
@@ -53,10 +57,16 @@ class SamplingParams:
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "must be non-negative integers")
 
+    def fan_out(self) -> list[SamplingParams]:
+        """The n = 1 requests that an n > 1 request stands for (the engine runs n = 1 only); a seeded
+        request's children get seeds seed, seed + 1, ... so that they differ yet stay reproducible."""
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + k) for k in range(self.n)]
+
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_strs
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        # Dividing logits by a temperature this small overflows; it means greedy anyway.
+        return self.temperature < _GREEDY_BELOW

@@ -41,9 +41,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(
             1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(self.model_config, config.block_size, self.dtype))
         self.max_model_len = self._max_model_len(num_blocks)
-        model = LlamaForCausalLM(self.model_config, self.max_model_len)
-        model.load_weights(weights)
-        model.to(device=self.device, dtype=self.dtype).eval()
+        model = LlamaForCausalLM.from_weights(self.model_config, weights, self.max_model_len, self.device, self.dtype)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.seed)
 
@@ -84,6 +82,8 @@ class LLMEngine:
                              "(prompt plus at least one generated token must fit)")
         if params.n != 1:
             raise ValueError("n > 1 is served by LLM.generate and the server, which fan out; the engine takes n=1")
+        if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):  # the sampler indexes by them
+            raise ValueError(f"stop_token_ids must be < the vocabulary size {self.model_config.vocab_size}")
         seq = Sequence(request_id, text, token_ids, params,
                        RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
                        priority=priority, tenant=str(tenant), eos_token_ids=tuple(self.tokenizer.eos_token_ids))

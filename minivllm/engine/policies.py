@@ -37,7 +37,8 @@ class SchedulingPolicy:
         waiting.sort(key=lambda s: self.waiting_key(s, now))
 
     def pick_victim(self, running: list[Sequence]) -> Sequence:
-        return max(running, key=self.victim_key)
+        # On a tie, the most recently admitted (the last in `running`) goes.
+        return max(reversed(running), key=self.victim_key)
 
 
 class FCFSPolicy(SchedulingPolicy):
@@ -76,7 +77,8 @@ class PriorityPolicy(SchedulingPolicy):
         return (seq.priority, seq.metrics.arrival_time)
 
     def may_preempt_for(self, waiting: Sequence, running: Sequence, now: float) -> bool:
-        return self.effective_priority(waiting, now) < running.priority
+        # Raw priorities: with aging, two equals would take turns preempting each other forever.
+        return waiting.priority < running.priority
 
 
 class FairPolicy(SchedulingPolicy):

@@ -9,6 +9,7 @@ preemption victims; this file decides how budgets are spent.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
@@ -51,10 +52,12 @@ def will_sample(seq: Sequence, num_new_tokens: int) -> bool:
 class SchedulerBase:
     """Queues, admission, preemption and finishing: what every scheduler shares."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: SchedulingPolicy) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: SchedulingPolicy,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.block_manager = block_manager
         self.policy = policy
+        self.clock = clock  # tests drive time by hand
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -88,7 +91,7 @@ class SchedulerBase:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.metrics.finished_time = time.perf_counter()
+        seq.metrics.finished_time = self.clock()
         self.policy.on_finish(seq)
 
     def on_step_done(self, output: SchedulerOutput) -> None:
@@ -103,7 +106,7 @@ class SchedulerBase:
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         if seq.metrics.first_scheduled_time is None:
-            seq.metrics.first_scheduled_time = time.perf_counter()
+            seq.metrics.first_scheduled_time = self.clock()
         self._record(seq, num_new_tokens, output)
 
     def _record(self, seq: Sequence, num_new_tokens: int, output: SchedulerOutput) -> None:
@@ -133,14 +136,14 @@ class SchedulerBase:
 
 
 class Scheduler(SchedulerBase):
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: SchedulingPolicy) -> None:
-        super().__init__(config, block_manager, policy)
-        self.reserve_blocks = int(config.watermark * block_manager.num_blocks)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reserve_blocks = int(self.config.watermark * self.block_manager.num_blocks)
         # Without chunking, a prompt that found no room after the decodes gets the next step first.
         self._prefill_next = False
 
     def schedule(self) -> SchedulerOutput:
-        now = time.perf_counter()
+        now = self.clock()
         output = SchedulerOutput()
         self.budget = self.config.max_num_batched_tokens
         self.num_partial = 0
@@ -202,15 +205,18 @@ class Scheduler(SchedulerBase):
                 n = num_uncomputed  # longer than the whole budget: it runs alone
             if n == 0:
                 return
-            reserve = self.reserve_blocks if self.running else 0
-            while (len(self.running) >= self.config.max_num_seqs
-                   or not self.block_manager.can_allocate(seq, n, hits, reserve)):
+            while len(self.running) >= self.config.max_num_seqs or not self._room_for(seq, num_uncomputed, hits):
                 if not self._preempt_for(seq, output, now):
                     return  # keep the policy's order: nobody jumps the head of the queue
-                reserve = self.reserve_blocks if self.running else 0
             self.num_partial += n < num_uncomputed
             self.budget -= n
             self._admit(seq, n, hits, output)
+
+    def _room_for(self, seq: Sequence, num_uncomputed: int, hits: list[int]) -> bool:
+        """Admit only with blocks for the whole rest of the prompt plus the watermark, even when
+        this step computes only a chunk: else the prompt grows into a preempt-readmit loop."""
+        reserve = self.reserve_blocks if self.running else 0
+        return self.block_manager.can_allocate(seq, num_uncomputed, hits, reserve)
 
     def _preempt_for(self, seq: Sequence, output: SchedulerOutput, now: float) -> bool:
         """Make room for a blocked waiting `seq` if the policy ranks it above a running one."""

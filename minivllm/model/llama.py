@@ -129,8 +129,6 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -143,38 +141,49 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], max_positions: int,
+                     device: torch.device, dtype: torch.dtype) -> "LlamaForCausalLM":
+        """Build the model without initializing it (on the meta device), then take the checkpoint's
+        tensors as its parameters: no random init, no second copy of the weights."""
+        with torch.device("meta"):
+            model = cls(config, max_positions)
+        model.rotary = Rotary(config, max_positions)  # computed, not loaded: build it for real
+        model._assign(weights, dtype)
+        return model.to(device).eval()
+
+    def _assign(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
         """Load tensors named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
-        params = dict(self.named_parameters())
-        fused: dict[str, dict[str, torch.Tensor]] = {}
-        loaded: set[str] = set()
+        expected = dict(self.named_parameters())
+        parts: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            for part, target in (("q_proj", "qkv_proj"), ("k_proj", "qkv_proj"), ("v_proj", "qkv_proj"),
-                                 ("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj")):
+            for part, target in _FUSED_PARTS.items():
                 if f".{part}." in name:
-                    fused_name = name.replace(part, target)
-                    fused.setdefault(fused_name, {})[part] = tensor
+                    parts.setdefault(name.replace(part, target), {})[part] = tensor
                     break
             else:
-                if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                    continue
-                if name not in params:
-                    continue  # e.g. rotary inv_freq buffers saved by old checkpoints
-                self._copy(params[name], tensor, name)
-                loaded.add(name)
-        order = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-        for name, parts in fused.items():
-            target = "qkv_proj" if "qkv_proj" in name else "gate_up_proj"
-            self._copy(params[name], torch.cat([parts[p] for p in order[target]]), name)
-            loaded.add(name)
-        missing = set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
-        if missing:
-            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+                if name in expected and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                    self._set(name, tensor, expected, dtype)
+        for name, pieces in parts.items():
+            target = next(t for t in _FUSED_ORDER if f".{t}." in name)
+            missing = [p for p in _FUSED_ORDER[target] if p not in pieces]
+            if missing:
+                raise ValueError(f"checkpoint lacks {missing} for {name}")
+            self._set(name, torch.cat([pieces[p] for p in _FUSED_ORDER[target]]), expected, dtype)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        still_meta = [n for n, p in self.named_parameters() if p.is_meta]
+        if still_meta:
+            raise ValueError(f"checkpoint lacks weights: {still_meta[:5]}")
 
-    @staticmethod
-    def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-        if param.shape != tensor.shape:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
+    def _set(self, name: str, tensor: torch.Tensor, expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        if tuple(expected[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model "
+                             f"{tuple(expected[name].shape)}")
+        module_name, _, attr = name.rpartition(".")
+        setattr(self.get_submodule(module_name), attr, nn.Parameter(tensor.to(dtype), requires_grad=False))
+
+
+_FUSED_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_PARTS = {part: target for target, ps in _FUSED_ORDER.items() for part in ps}

@@ -35,17 +35,18 @@ class Sampler:
 
     @staticmethod
     def _ban_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Below `min_tokens`, EOS and the stop tokens cannot be drawn."""
+        """Below `min_tokens`, EOS and the stop tokens cannot be drawn, whether or not EOS would stop
+        the request (`ignore_eos`): vLLM's meaning, and HF's `min_new_tokens`."""
         for i, s in enumerate(seqs):
             if s.num_output_tokens < s.params.min_tokens:
-                banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else list(s.eos_token_ids))
+                banned = list(s.params.stop_token_ids) + list(s.eos_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=self.device)
+        temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=self.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             probs = self._top_k_top_p(probs, params)
@@ -61,7 +62,7 @@ class Sampler:
     def _top_k_top_p(self, probs: torch.Tensor, params) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=self.device)
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=self.device)
         top_p = torch.tensor([p.top_p for p in params], device=self.device)
         ranks = torch.arange(vocab, device=self.device)[None, :]
         # Keep a token while the mass before it is below top_p: the most likely token always stays.

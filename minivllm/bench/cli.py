@@ -1,0 +1,250 @@
+"""`minivllm bench throughput|serve|compare|roofline`: flags and the commands that tie the parts."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+from minivllm.bench.workloads import (TextCorpus, add_workload_args, build_workload, load_tokenizer, mixed_requests,
+                                      parse_range, requests_as_dicts, with_arrivals, workload_spec)
+from minivllm.config import EngineConfig
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"Results written to {path}")
+
+
+def _dtype_name(config: EngineConfig) -> str:
+    return str(config.torch_dtype).removeprefix("torch.")
+
+
+# -- throughput -----------------------------------------------------------------------------------------
+def cmd_throughput(args: argparse.Namespace) -> None:
+    from minivllm.bench.roofline import measure
+    from minivllm.bench.throughput import run_hf, run_minivllm
+
+    spec = workload_spec(args)
+    config = EngineConfig.from_cli_args(args, seed=spec["seed"])
+    if args.backend == "hf":
+        tokenizer, model_config = load_tokenizer(config.model)
+        result, requests = run_hf(config, spec, args.hf_batch_size, tokenizer, not args.disable_tqdm)
+    else:
+        result, requests, model_config = run_minivllm(config, spec, not args.disable_tqdm)
+    print(result.text())
+    out = {"workload": spec, "engine": asdict(config), "result": result.to_dict(),
+           "requests": requests_as_dicts(requests)}
+    if args.backend == "hf":
+        out["hf_batch_size"] = args.hf_batch_size
+    if args.roofline:
+        dtype = _dtype_name(config)
+        roof = measure(model_config, config.torch_device, dtypes=(dtype,))
+        fraction = roof.throughput_fraction(dtype, result.total_input_tokens, result.total_output_tokens,
+                                            result.elapsed)
+        print(f"Roofline ({dtype}, measured now): prefill {roof.per_dtype[dtype].prefill_tokens_per_s:.0f} tok/s, "
+              f"decode {roof.per_dtype[dtype].decode_tokens_per_s:.0f} tok/s; this run reached "
+              f"{fraction:.1%} of the compute roofline")
+        out["roofline"] = asdict(roof)
+        out["roofline_fraction"] = fraction
+    write_json(args.output_json, out)
+
+
+# -- serve ----------------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> None:
+    from minivllm.bench.metrics import parse_goodput, serving_metrics
+    from minivllm.bench.report import serving_text
+    from minivllm.bench.serve import ServeTarget, run_benchmark, served_model
+
+    slos = parse_goodput(args.goodput or [])
+    percentiles = [int(p) if p.is_integer() else p for p in map(float, args.metric_percentiles.split(","))]
+    spec = workload_spec(args)
+    spec.update(request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency)
+    base_url = args.base_url.rstrip("/")
+    target = ServeTarget(base_url, args.served_model_name or served_model(base_url, args.api_key), args.api_key)
+    tokenizer, _ = load_tokenizer(args.model)
+    rng = np.random.default_rng(spec["seed"])
+    requests = with_arrivals(build_workload(spec, tokenizer, rng), args.request_rate, args.burstiness, rng)
+    print(f"Traffic request rate: {args.request_rate}, burstiness: {args.burstiness}, "
+          f"max concurrency: {args.max_concurrency}", flush=True)
+    records, duration = asyncio.run(run_benchmark(target, requests, tokenizer, args.max_concurrency,
+                                                  not args.disable_tqdm))
+    metrics = serving_metrics(records, duration, percentiles, slos)
+    print(serving_text(metrics))
+    for r in records:
+        if not r.success:
+            print(f"failed request: {r.error}", file=sys.stderr)
+    write_json(args.output_json, {"workload": spec, "base_url": base_url, "model": target.model, "goodput": slos,
+                                  "metrics": asdict(metrics), "requests": requests_as_dicts(requests),
+                                  "records": [asdict(r) for r in records]})
+
+
+# -- compare --------------------------------------------------------------------------------------------
+def cmd_compare(args: argparse.Namespace) -> None:
+    from minivllm.bench.compare import run_engine, run_hf, summarize
+    from minivllm.bench.hf_backend import HFGenerator
+    from minivllm.bench.report import compare_markdown, compare_table, verdict, write_plots
+
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer, _ = load_tokenizer(args.model)
+    rng = np.random.default_rng(args.seed)
+    requests = mixed_requests(TextCorpus(tokenizer), args.num_prompts, args.long_fraction, args.short_input_len,
+                              args.short_output_len, args.long_input_len, args.long_output_len, rng)
+    with_arrivals(requests, args.request_rate, args.burstiness, rng)
+    show = not args.disable_tqdm
+    config = EngineConfig.from_cli_args(args, seed=args.seed)
+    runs = [run_engine(replace(config, scheduler=scheduler), requests, str(out_dir / f"{scheduler}.csv"), show)
+            for scheduler in ("static", "continuous")]
+    files = ["static.csv", "static.json", "continuous.csv", "continuous.json"]
+    if args.with_hf:
+        generator = HFGenerator(config.model, config.torch_dtype, config.torch_device, tokenizer)
+        runs.append(run_hf(generator, requests, args.hf_batch_size or args.static_batch_size, show))
+        write_rows(out_dir / "hf.csv", runs[-1].rows)
+        files.append("hf.csv")
+    summaries = [summarize(run) for run in runs]
+    files += write_plots(runs, out_dir, args.static_batch_size)
+    n_long = sum(r.kind == "long" for r in requests)
+    workload = (f"{len(requests)} requests ({n_long} long, {len(requests) - n_long} short), arrivals at "
+                f"{args.request_rate} req/s (burstiness {args.burstiness}), seed {args.seed}; short: prompts "
+                f"{_span(args.short_input_len)}, outputs {_span(args.short_output_len)} tokens; long: prompts "
+                f"{_span(args.long_input_len)}, outputs {_span(args.long_output_len)} tokens; greedy, ignore_eos; "
+                f"prompts cut from the Python docs' prose")
+    setup = (f"model {config.model or 'SmolLM2-135M-Instruct (default GGUF)'}, device {config.torch_device}, dtype "
+             f"{_dtype_name(config)}; static batch size {args.static_batch_size}"
+             + (f", hf batch size {args.hf_batch_size or args.static_batch_size}" if args.with_hf else "")
+             + f"; continuous: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+               f"{config.max_num_batched_tokens}, chunked prefill {config.enable_chunked_prefill}")
+    report = compare_markdown(summaries, workload, setup, _compare_command(args), files + ["results.json"])
+    (out_dir / "report.md").write_text(report)
+    print(verdict(summaries))
+    print(compare_table(summaries))
+    print(f"Report: {out_dir / 'report.md'}")
+    result = {"workload": {"description": workload, "requests": requests_as_dicts(requests)}, "setup": setup,
+              "summaries": [asdict(s) for s in summaries]}
+    write_json(str(out_dir / "results.json"), result)
+    write_json(args.output_json, result)
+
+
+def _compare_command(args: argparse.Namespace) -> str:
+    """The command that replays this trace (engine flags other than these are in the setup line)."""
+    flags = [f"--num-prompts {args.num_prompts}", f"--request-rate {args.request_rate}",
+             f"--burstiness {args.burstiness}", f"--seed {args.seed}", f"--long-fraction {args.long_fraction}",
+             *(f"--{name.replace('_', '-')} {_span(getattr(args, name), ':')}"
+               for name in ("short_input_len", "short_output_len", "long_input_len", "long_output_len")),
+             f"--static-batch-size {args.static_batch_size}", f"--dtype {args.dtype}", f"--device {args.device}"]
+    if args.with_hf:
+        flags.append(f"--with-hf --hf-batch-size {args.hf_batch_size or args.static_batch_size}")
+    return "minivllm bench compare " + " ".join(flags)
+
+
+def _span(bounds: tuple[int, int], sep: str = "..") -> str:
+    return f"{bounds[0]}{sep}{bounds[1]}"
+
+
+def write_rows(path: Path, rows: list) -> None:
+    """Step rows in the engine's trace CSV format (the HF peer has no engine to write them)."""
+    import csv
+
+    from minivllm.engine.trace import COLUMNS
+
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        writer.writerows([getattr(r, c) for c in COLUMNS] for r in rows)
+
+
+# -- roofline -------------------------------------------------------------------------------------------
+def cmd_roofline(args: argparse.Namespace) -> None:
+    from minivllm.bench.roofline import format_roofline, measure
+    from minivllm.model.loader import load_checkpoint, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    model_config, _ = load_checkpoint(path)
+    device = EngineConfig(device=args.device).torch_device
+    roof = measure(model_config, device, args.num_tokens, tuple(args.dtypes.split(",")),
+                   progress=lambda what: print(f"measuring {what}...", file=sys.stderr, flush=True))
+    print(format_roofline(roof, path.stem))
+    write_json(args.output_json, {"model": str(path), **asdict(roof),
+                                  "batch1_decode_tokens_per_s": {d: roof.batch1_decode_tokens_per_s(d)
+                                                                 for d in roof.per_dtype}})
+
+
+# -- the parser -----------------------------------------------------------------------------------------
+def _output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
+    p.add_argument("--output-json", default=None, help="write the results (and the workload) to this JSON file")
+    if progress:
+        p.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+
+
+def _rate(text: str) -> float:
+    rate = float(text)
+    if not (rate > 0 or math.isinf(rate)):
+        raise argparse.ArgumentTypeError(f"must be > 0 or inf, got {text!r}")
+    return rate
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, compare, roofline")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = bench_sub.add_parser("throughput", help="offline throughput of a workload (minivllm or --backend hf)")
+    add_workload_args(p)
+    p.add_argument("--backend", choices=("minivllm", "hf"), default="minivllm",
+                   help="hf: Hugging Face transformers generate() on static, left-padded batches")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of --backend hf")
+    p.add_argument("--roofline", action="store_true",
+                   help="also measure this machine's roofline and report the run as a share of it")
+    _output_args(p)
+    EngineConfig.add_cli_args(p, skip=("seed",))
+    p.set_defaults(func=cmd_throughput)
+
+    p = bench_sub.add_parser("serve", help="online benchmark against an OpenAI-compatible server")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--served-model-name", default=None, help="the request's model field (default: /v1/models' first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="checkpoint whose tokenizer builds the prompts (default: SmolLM2)")
+    add_workload_args(p)
+    p.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="requests/s of the arrival process (default: inf, all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival times: 1 is Poisson, < 1 burstier, > 1 more regular")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)")
+    p.add_argument("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")
+    _output_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = bench_sub.add_parser("compare", help="static vs continuous batching on one arrival trace")
+    g = p.add_argument_group("arrival trace")
+    g.add_argument("--num-prompts", type=int, default=48)
+    g.add_argument("--request-rate", type=_rate, default=2.0, help="requests/s (Poisson at burstiness 1)")
+    g.add_argument("--burstiness", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--long-fraction", type=float, default=0.25, help="share of long requests")
+    g.add_argument("--short-input-len", type=parse_range, default=(16, 128), metavar="MIN:MAX")
+    g.add_argument("--short-output-len", type=parse_range, default=(8, 64), metavar="MIN:MAX")
+    g.add_argument("--long-input-len", type=parse_range, default=(256, 512), metavar="MIN:MAX")
+    g.add_argument("--long-output-len", type=parse_range, default=(128, 256), metavar="MIN:MAX")
+    p.add_argument("--with-hf", action="store_true", help="also run Hugging Face transformers on static batches")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: --static-batch-size")
+    p.add_argument("--output-dir", default="runs/compare", help="report.md, plots, step traces, results.json")
+    _output_args(p)
+    EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file"))
+    p.set_defaults(func=cmd_compare)
+
+    p = bench_sub.add_parser("roofline", help="this machine's GEMM rate, read bandwidth and the model's roofline")
+    p.add_argument("--model", default=None, help="checkpoint whose layer shapes are measured (default: SmolLM2)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--num-tokens", type=int, default=512, help="tokens per GEMM (the batch of a step)")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes to measure")
+    _output_args(p, progress=False)
+    p.set_defaults(func=cmd_roofline)

@@ -1,0 +1,179 @@
+"""`minivllm bench roofline`: this machine's ceilings for the model, measured rather than quoted.
+
+It times F.linear at the model's own [tokens x in] x [in x out] shapes (read off the model code) in
+bfloat16 and float32, and the memory read bandwidth, and derives:
+  - prefill tokens/s if compute-bound: the decoder layers' GEMMs only (one sampled token per
+    prompt makes the lm_head negligible);
+  - large-batch decode tokens/s if compute-bound: the layers plus the lm_head for every token;
+  - batch-1 decode tokens/s if memory-bound: every weight is read once per token.
+Attention's own FLOPs (QK^T, PV) and element-wise work are left out: GEMMs dominate at these
+lengths, so these are ceilings. Measured in the same run as a throughput figure, they turn it
+into a ratio that does not depend on how busy or fast the machine was that day.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.loader import ModelConfig
+
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class GemmShape:
+    name: str  # the layer's module name, e.g. qkv_proj
+    in_features: int
+    out_features: int
+    count: int  # how many such layers the model has
+
+    def flops(self, tokens: int) -> int:
+        return 2 * tokens * self.in_features * self.out_features * self.count
+
+
+@dataclass
+class GemmTiming:
+    shape: GemmShape
+    seconds: float  # one call at the measured number of tokens
+
+    def gflops(self, tokens: int) -> float:
+        return self.shape.flops(tokens) / self.shape.count / self.seconds / 1e9
+
+
+@dataclass
+class DtypeRoofline:
+    dtype: str
+    tokens: int
+    body: list[GemmTiming]  # the decoder layers' GEMMs
+    lm_head: GemmTiming
+    weight_bytes: int
+
+    @property
+    def body_seconds(self) -> float:
+        return sum(t.seconds * t.shape.count for t in self.body)
+
+    @property
+    def gemm_gflops(self) -> float:
+        """The rate of a whole forward's GEMMs (lm_head included) at this many tokens."""
+        timings = [*self.body, self.lm_head]
+        flops = sum(t.shape.flops(self.tokens) for t in timings)
+        return flops / (self.body_seconds + self.lm_head.seconds) / 1e9
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.tokens / self.body_seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.tokens / (self.body_seconds + self.lm_head.seconds)
+
+
+@dataclass
+class Roofline:
+    device: str
+    threads: int
+    tokens: int
+    read_bandwidth: float  # bytes/s
+    per_dtype: dict[str, DtypeRoofline]
+
+    def batch1_decode_tokens_per_s(self, dtype: str) -> float:
+        return self.read_bandwidth / self.per_dtype[dtype].weight_bytes
+
+    def throughput_fraction(self, dtype: str, input_tokens: int, output_tokens: int, seconds: float) -> float:
+        """Share of the compute roofline a run achieved: the time its prompt tokens (at the prefill
+        ceiling) and output tokens (at the decode ceiling) need at least, over the time it took."""
+        r = self.per_dtype[dtype]
+        return (input_tokens / r.prefill_tokens_per_s + output_tokens / r.decode_tokens_per_s) / seconds
+
+
+def model_gemms(config: ModelConfig) -> tuple[list[GemmShape], GemmShape]:
+    """(the decoder layers' linear shapes with their counts, the lm_head), from the model code itself."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions=1)
+    counts: Counter[tuple[str, int, int]] = Counter()
+    for name, module in model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            counts[(name.rsplit(".", 1)[-1], module.in_features, module.out_features)] += 1
+    body = [GemmShape(name, i, o, n) for (name, i, o), n in counts.items()]
+    head = model.lm_head
+    return body, GemmShape("lm_head", head.in_features, head.out_features, 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], object], device: torch.device, rounds: int = 5, min_round_s: float = 0.05) -> float:
+    """Seconds per call: the best round's mean. The best, because a shared machine only ever makes
+    a round slower than the hardware allows."""
+    fn()  # warm-up: kernel selection, first-touch of memory
+    _sync(device)
+    best = float("inf")
+    for _ in range(rounds):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_round_s:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def time_gemm(shape: GemmShape, tokens: int, dtype: torch.dtype, device: torch.device) -> GemmTiming:
+    x = torch.randn(tokens, shape.in_features, dtype=dtype, device=device)
+    w = torch.randn(shape.out_features, shape.in_features, dtype=dtype, device=device)
+    with torch.inference_mode():
+        return GemmTiming(shape, best_time(lambda: F.linear(x, w), device))
+
+
+def read_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> float:
+    """Bytes/s of a reduction over a buffer far larger than any cache: a pure streaming read."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return nbytes / best_time(lambda: x.sum(), device)
+
+
+def measure(config: ModelConfig, device: torch.device, tokens: int = 512, dtypes: tuple[str, ...] = DTYPES,
+            progress: Callable[[str], None] | None = None) -> Roofline:
+    body, head = model_gemms(config)
+    per_dtype = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        if progress:
+            progress(f"GEMMs in {name}")
+        weights = sum(s.in_features * s.out_features * s.count for s in [*body, head])
+        per_dtype[name] = DtypeRoofline(name, tokens, [time_gemm(s, tokens, dtype, device) for s in body],
+                                        time_gemm(head, tokens, dtype, device),
+                                        weights * torch.empty((), dtype=dtype).element_size())
+    if progress:
+        progress("memory read bandwidth")
+    return Roofline(str(device), torch.get_num_threads(), tokens, read_bandwidth(device), per_dtype)
+
+
+def format_roofline(r: Roofline, model_name: str) -> str:
+    lines = [f"Roofline of {model_name} on {r.device} ({r.threads} threads), GEMMs at {r.tokens} tokens",
+             f"{'dtype':<10}{'GEMM GFLOP/s':>14}{'prefill tok/s':>15}{'decode tok/s':>14}{'batch-1 tok/s':>15}"]
+    for name, d in r.per_dtype.items():
+        lines.append(f"{name:<10}{d.gemm_gflops:>14.1f}{d.prefill_tokens_per_s:>15.0f}{d.decode_tokens_per_s:>14.0f}"
+                     f"{r.batch1_decode_tokens_per_s(name):>15.1f}")
+    lines.append(f"memory read bandwidth: {r.read_bandwidth / 1e9:.1f} GB/s; weights read per token: "
+                 + ", ".join(f"{d.weight_bytes / 1e6:.0f} MB ({n})" for n, d in r.per_dtype.items()))
+    lines.append("prefill: decoder-layer GEMMs (compute-bound); decode: layers + lm_head at a large batch "
+                 "(compute-bound); batch-1: weight bytes / read bandwidth (memory-bound)")
+    lines.append(f"{'GEMM shape':<34}" + "".join(f"{n + ' GFLOP/s':>18}" for n in r.per_dtype))
+    first = next(iter(r.per_dtype.values()))
+    for i, t in enumerate([*first.body, first.lm_head]):
+        s = t.shape
+        label = f"{s.name} [{r.tokens}x{s.in_features}]x[{s.in_features}x{s.out_features}] x{s.count}"
+        rates = [([*d.body, d.lm_head][i]).gflops(r.tokens) for d in r.per_dtype.values()]
+        lines.append(f"{label:<34}" + "".join(f"{g:>18.1f}" for g in rates))
+    return "\n".join(lines)

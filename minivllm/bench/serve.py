@@ -1,0 +1,125 @@
+"""`minivllm bench serve`: an online benchmark against any OpenAI-compatible server.
+
+Requests go to /v1/completions with streaming, as `vllm bench serve` sends them: arrivals from a
+Poisson (or gamma) process at --request-rate, at most --max-concurrency in flight, greedy,
+ignore_eos. Timing is taken on the client, as vLLM takes it: TTFT is send -> first chunk with
+choices, ITL the gaps between such chunks, E2E send -> last such chunk; output tokens come from the
+final usage chunk (or, when a server sends none, from tokenizing the text).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from minivllm.bench.metrics import RequestRecord
+from minivllm.bench.workloads import BenchRequest
+from minivllm.model.tokenizer import Tokenizer
+
+
+@dataclass
+class ServeTarget:
+    base_url: str
+    model: str
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def served_model(base_url: str, api_key: str | None) -> str:
+    """The first model the server lists under /v1/models."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"cannot list the models of {base_url} ({e}); pass --served-model-name") from None
+
+
+def _payload(target: ServeTarget, req: BenchRequest, max_tokens: int) -> dict:
+    return {"model": target.model, "prompt": req.prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def send_request(client: httpx.AsyncClient, target: ServeTarget, req: BenchRequest,
+                       tokenizer: Tokenizer, max_tokens: int | None = None) -> RequestRecord:
+    payload = _payload(target, req, max_tokens or req.output_len)
+    record = RequestRecord(req.prompt_len, 0, 0.0, 0.0, success=False)
+    text, usage_tokens = "", None
+    start = last = time.perf_counter()
+    first = True
+    try:
+        async with client.stream("POST", f"{target.base_url}/v1/completions", json=payload,
+                                 headers=target.headers) as resp:
+            if resp.status_code != 200:
+                record.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return record
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators and SSE comments
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if first:
+                        record.ttft, first = now - start, False
+                    else:
+                        record.itl.append(now - last)
+                    last = now
+                    text += chunk["choices"][0].get("text") or ""
+                elif chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+        return record
+    if first:
+        record.error = "the stream ended without a token"
+        return record
+    record.e2e = last - start
+    if usage_tokens is None:
+        usage_tokens = len(tokenizer.hf(text, add_special_tokens=False)["input_ids"])
+    record.output_len = usage_tokens
+    record.success = True
+    return record
+
+
+async def run_benchmark(target: ServeTarget, requests: list[BenchRequest], tokenizer: Tokenizer,
+                        max_concurrency: int | None, show_progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival offset; (records in request order, duration in seconds)."""
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=None)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc="Requests", disable=not show_progress, dynamic_ncols=True)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        async def one(req: BenchRequest) -> RequestRecord:
+            if gate:
+                async with gate:
+                    record = await send_request(client, target, req, tokenizer)
+            else:
+                record = await send_request(client, target, req, tokenizer)
+            bar.update(1)
+            return record
+
+        probe = await send_request(client, target, requests[0], tokenizer, max_tokens=2)
+        if not probe.success:
+            raise ValueError(f"the test request to {target.base_url} failed: {probe.error}")
+        start = time.perf_counter()
+        tasks = []
+        for req in requests:
+            delay = start + req.arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(records), duration

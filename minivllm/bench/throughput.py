@@ -1,0 +1,88 @@
+"""`minivllm bench throughput`: offline throughput, every request submitted at once, through
+minivllm or (`--backend hf`) through Hugging Face transformers `generate` in static batches."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from minivllm.bench.hf_backend import HFGenerator
+from minivllm.bench.workloads import BenchRequest, build_workload
+from minivllm.config import EngineConfig
+from minivllm.llm import LLM
+from minivllm.model.loader import ModelConfig
+from minivllm.model.tokenizer import Tokenizer
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass
+class ThroughputResult:
+    backend: str
+    num_requests: int
+    elapsed: float  # seconds, from the first request submitted to the last finished
+    total_input_tokens: int
+    total_output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed
+
+    @property
+    def input_tokens_per_s(self) -> float:
+        return self.total_input_tokens / self.elapsed
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.total_output_tokens / self.elapsed
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.total_input_tokens + self.total_output_tokens) / self.elapsed
+
+    def to_dict(self) -> dict:
+        return {**vars(self), "requests_per_s": self.requests_per_s, "input_tokens_per_s": self.input_tokens_per_s,
+                "output_tokens_per_s": self.output_tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s}
+
+    def text(self) -> str:
+        return (f"Throughput ({self.backend}): {self.requests_per_s:.2f} requests/s, "
+                f"{self.total_tokens_per_s:.1f} total tokens/s, {self.input_tokens_per_s:.1f} input tokens/s, "
+                f"{self.output_tokens_per_s:.1f} output tokens/s\n"
+                f"{self.num_requests} requests, {self.total_input_tokens} input + {self.total_output_tokens} "
+                f"output tokens in {self.elapsed:.2f} s")
+
+
+def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True
+                 ) -> tuple[ThroughputResult, list[BenchRequest], ModelConfig]:
+    llm = LLM(**vars(config))
+    requests = build_workload(spec, llm.engine.tokenizer, np.random.default_rng(spec["seed"]))
+    # One tiny request first, so that one-time setup is not billed to the measurement.
+    llm.generate(llm.engine.tokenizer.encode("Warming up."), SamplingParams(max_tokens=2), use_tqdm=False)
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
+                        use_tqdm=show_progress)
+    elapsed = time.perf_counter() - start
+    result = ThroughputResult("minivllm", len(outs), elapsed, sum(len(o.prompt_token_ids) for o in outs),
+                              sum(len(o.outputs[0].token_ids) for o in outs))
+    return result, requests, llm.engine.model_config
+
+
+def run_hf(config: EngineConfig, spec: dict, batch_size: int, tokenizer: Tokenizer, show_progress: bool = True
+           ) -> tuple[ThroughputResult, list[BenchRequest]]:
+    """The same requests, `batch_size` at a time in the workload's order, through `generate`."""
+    requests = build_workload(spec, tokenizer, np.random.default_rng(spec["seed"]))
+    generator = HFGenerator(config.model, config.torch_dtype, config.torch_device, tokenizer)
+    generator.warm_up()
+    bar = tqdm(total=len(requests), desc="Processed prompts (hf)", disable=not show_progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        generator.run_batch(batch)
+        bar.update(len(batch))
+    elapsed = time.perf_counter() - start
+    bar.close()
+    result = ThroughputResult("hf", len(requests), elapsed, sum(r.prompt_len for r in requests),
+                              sum(r.output_len for r in requests))
+    return result, requests

@@ -1,0 +1,236 @@
+"""Benchmark workloads: prompts of chosen token lengths cut from real English text, output lengths,
+and arrival times. Everything is drawn from one seeded generator, so a seed fixes the workload.
+
+Prompts are windows of the Python documentation's prose (`pydoc_data.topics`, shipped with
+CPython), so that no download is needed and the text is real English rather than random token ids.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
+from minivllm.model.tokenizer import Tokenizer
+
+DATASETS = ("fixed", "random", "shared-prefix", "jsonl")
+# The project's reference workload (issues 2, 5 and 6): `--dataset fixed`.
+FIXED = {"num_prompts": 64, "seed": 0, "input_len_range": (16, 512), "output_len_range": (8, 256)}
+DEFAULT_NUM_PROMPTS = 64
+DEFAULT_SEED = 0
+
+
+@dataclass
+class BenchRequest:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival: float = 0.0  # seconds after the start of the run
+    kind: str = ""  # "short" or "long" in the mixed workload of `bench compare`
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model: str | None) -> tuple[Tokenizer, ModelConfig]:
+    """The checkpoint's tokenizer (and config), without loading its weights. Cached: building a
+    tokenizer from a GGUF file takes seconds, and one process may run several benchmarks."""
+    path = resolve_model_path(model)
+    config, _ = load_checkpoint(path)  # the weights are a lazy iterator: nothing is read
+    return Tokenizer(path, config), config
+
+
+class TextCorpus:
+    """Token windows of real prose that re-tokenize to exactly the length asked for."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        from pydoc_data.topics import topics
+
+        self.tokenizer = tokenizer
+        text = "\n\n".join(topics[key] for key in sorted(topics))
+        self.token_ids: list[int] = tokenizer.hf(text, add_special_tokens=False)["input_ids"]
+        # Special tokens (a BOS) that encode() adds count towards a prompt's length.
+        self.num_special = len(tokenizer.encode("a")) - len(tokenizer.hf("a", add_special_tokens=False)["input_ids"])
+
+    def window(self, length: int, rng: np.random.Generator) -> tuple[str, list[int]]:
+        """A text of `length` tokens (as the engine tokenizes it) and those tokens."""
+        n = max(1, length - self.num_special)
+        if n > len(self.token_ids):
+            raise ValueError(f"a prompt of {length} tokens is longer than the text corpus ({len(self.token_ids)})")
+        start = int(rng.integers(0, len(self.token_ids) - n + 1))
+        # Decoding then encoding can merge tokens at a window's edges; slide until it round-trips.
+        for offset in range(32):
+            s = (start + offset) % (len(self.token_ids) - n + 1)
+            text = self.tokenizer.decode(self.token_ids[s:s + n])
+            ids = self.tokenizer.encode(text)
+            if len(ids) == length:
+                return text, ids
+        return text, ids
+
+
+def uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
+    """An integer uniform in [low, high], both included."""
+    return int(rng.integers(bounds[0], bounds[1] + 1))
+
+
+def draw_request(corpus: TextCorpus, request_id: str, input_range: tuple[int, int], output_range: tuple[int, int],
+                 rng: np.random.Generator, kind: str = "") -> BenchRequest:
+    # One request's draws together, so that the first k requests do not depend on how many follow.
+    prompt_len, output_len = uniform(rng, input_range), uniform(rng, output_range)
+    return BenchRequest(request_id, *corpus.window(prompt_len, rng), output_len, kind=kind)
+
+
+def range_around(length: int, ratio: float) -> tuple[int, int]:
+    """vLLM's --random-range-ratio: lengths uniform in [L * (1 - r), L * (1 + r)]."""
+    if not 0 <= ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {ratio}")
+    return max(1, math.floor(length * (1 - ratio))), math.ceil(length * (1 + ratio))
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'16:512' -> (16, 512)."""
+    try:
+        low, high = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX (integers), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def random_requests(corpus: TextCorpus, n: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                    rng: np.random.Generator) -> list[BenchRequest]:
+    return [draw_request(corpus, str(i), input_range, output_range, rng) for i in range(n)]
+
+
+def shared_prefix_requests(corpus: TextCorpus, n: int, prefix_len: int, num_prefixes: int,
+                           input_range: tuple[int, int], output_range: tuple[int, int],
+                           rng: np.random.Generator) -> list[BenchRequest]:
+    """Each prompt is one of `num_prefixes` common prefixes followed by its own suffix of
+    `input_range` tokens: what a shared system prompt looks like to the prefix cache."""
+    prefixes = [corpus.window(prefix_len, rng)[1] for _ in range(num_prefixes)]
+    requests = []
+    for i in range(n):
+        suffix = draw_request(corpus, str(i), input_range, output_range, rng)
+        # The suffix's own special tokens (a BOS) are dropped: only the prefix starts a prompt.
+        ids = prefixes[i % num_prefixes] + suffix.prompt_token_ids[corpus.num_special:]
+        requests.append(BenchRequest(str(i), corpus.tokenizer.decode(ids, skip_special_tokens=False), ids,
+                                     suffix.output_len))
+    return requests
+
+
+def jsonl_requests(path: str, tokenizer: Tokenizer, n: int | None, default_output_len: int) -> list[BenchRequest]:
+    """One JSON object per line: {"prompt": "...", "output_len": 128} (output_len optional)."""
+    requests = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            prompt = item["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{line_no}: expected a JSON object with a 'prompt'") from None
+        output_len = int(item.get("output_len", item.get("max_tokens", default_output_len)))
+        requests.append(BenchRequest(str(len(requests)), prompt, tokenizer.encode(prompt), output_len))
+    if not requests:
+        raise ValueError(f"{path} has no prompts")
+    return requests[:n] if n else requests
+
+
+def mixed_requests(corpus: TextCorpus, n: int, long_fraction: float, short_input: tuple[int, int],
+                   short_output: tuple[int, int], long_input: tuple[int, int], long_output: tuple[int, int],
+                   rng: np.random.Generator) -> list[BenchRequest]:
+    """Short and long requests interleaved at random: the traffic that shows head-of-line blocking."""
+    requests = []
+    for i in range(n):
+        long = rng.random() < long_fraction
+        inputs, outputs = (long_input, long_output) if long else (short_input, short_output)
+        requests.append(draw_request(corpus, str(i), inputs, outputs, rng, kind="long" if long else "short"))
+    return requests
+
+
+def arrival_offsets(n: int, request_rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
+    """Arrival instants (seconds from the start), the first at 0. Gaps are gamma-distributed with
+    shape `burstiness` and mean 1/rate, as in vLLM: burstiness 1 is a Poisson process, lower is
+    burstier, higher is more regular. An infinite rate sends everything at once."""
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be > 0")
+    if math.isinf(request_rate):
+        return [0.0] * n
+    gaps = rng.gamma(shape=burstiness, scale=1 / (request_rate * burstiness), size=max(n - 1, 0))
+    return [0.0] + [float(t) for t in np.cumsum(gaps)]
+
+
+def with_arrivals(requests: list[BenchRequest], request_rate: float, burstiness: float,
+                  rng: np.random.Generator) -> list[BenchRequest]:
+    for req, t in zip(requests, arrival_offsets(len(requests), request_rate, burstiness, rng)):
+        req.arrival = t
+    return requests
+
+
+# -- command-line workloads (`bench throughput` and `bench serve`) ---------------------------------
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--dataset", choices=DATASETS, default="fixed",
+                   help="fixed: the reference workload (64 prompts, seed 0, prompts of 16..512 and outputs of "
+                        "8..256 tokens, greedy, ignore_eos); random: lengths from the flags below; "
+                        "shared-prefix: prompts that share --prefix-len tokens; jsonl: --dataset-path")
+    g.add_argument("--dataset-path", default=None, help='JSONL file, one {"prompt": ..., "output_len": ...} a line')
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help=f"number of requests (default: {DEFAULT_NUM_PROMPTS}; the whole file for jsonl)")
+    g.add_argument("--seed", type=int, default=None, help=f"workload (and engine) seed (default: {DEFAULT_SEED})")
+    g.add_argument("--input-len", type=int, default=256, help="mean prompt length in tokens (shared-prefix: after the prefix)")
+    g.add_argument("--output-len", type=int, default=128, help="mean output length in tokens")
+    g.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * (1 - r), len * (1 + r)], as vLLM's --random-range-ratio")
+    g.add_argument("--input-len-range", type=parse_range, default=None, metavar="MIN:MAX",
+                   help="prompt lengths uniform in MIN..MAX (overrides --input-len and --range-ratio)")
+    g.add_argument("--output-len-range", type=parse_range, default=None, metavar="MIN:MAX",
+                   help="output lengths uniform in MIN..MAX (overrides --output-len and --range-ratio)")
+    g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of the common prefix")
+    g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: how many distinct prefixes")
+
+
+def workload_spec(args: argparse.Namespace) -> dict:
+    """The workload's defining numbers, with the fixed preset applied; recorded with every result."""
+    fixed = args.dataset == "fixed"
+    spec = {"dataset": args.dataset,
+            "num_prompts": args.num_prompts or (FIXED["num_prompts"] if fixed else DEFAULT_NUM_PROMPTS),
+            "seed": DEFAULT_SEED if args.seed is None else args.seed}
+    if args.dataset == "jsonl":
+        if not args.dataset_path:
+            raise ValueError("--dataset jsonl needs --dataset-path")
+        spec.update(dataset_path=args.dataset_path, num_prompts=args.num_prompts, output_len=args.output_len)
+        return spec
+    if fixed:
+        spec.update(input_len_range=FIXED["input_len_range"], output_len_range=FIXED["output_len_range"])
+    else:
+        spec.update(input_len_range=args.input_len_range or range_around(args.input_len, args.range_ratio),
+                    output_len_range=args.output_len_range or range_around(args.output_len, args.range_ratio))
+    if args.dataset == "shared-prefix":
+        spec.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
+    return spec
+
+
+def build_workload(spec: dict, tokenizer: Tokenizer, rng: np.random.Generator) -> list[BenchRequest]:
+    if spec["dataset"] == "jsonl":
+        return jsonl_requests(spec["dataset_path"], tokenizer, spec["num_prompts"], spec["output_len"])
+    corpus = TextCorpus(tokenizer)
+    n, inputs, outputs = spec["num_prompts"], spec["input_len_range"], spec["output_len_range"]
+    if spec["dataset"] == "shared-prefix":
+        return shared_prefix_requests(corpus, n, spec["prefix_len"], spec["num_prefixes"], inputs, outputs, rng)
+    return random_requests(corpus, n, inputs, outputs, rng)
+
+
+def requests_as_dicts(requests: list[BenchRequest]) -> list[dict]:
+    """Per-request lengths (and arrivals) for a results file; the prompts themselves are left out."""
+    return [{k: v for k, v in asdict(r).items() if k not in ("prompt", "prompt_token_ids")}
+            | {"prompt_len": r.prompt_len} for r in requests]

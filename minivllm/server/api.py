@@ -1,0 +1,665 @@
+"""An OpenAI-compatible HTTP server over the engine, shaped like vLLM's.
+
+    POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream=true)
+    GET  /v1/models, /health, /metrics
+
+Requests are parsed strictly (unknown or ill-typed fields are a 400 that names the field) and
+validated before anything streams, so a bad request never becomes a broken stream. Errors take
+OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import signal
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import jinja2
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from minivllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequest, QueueFullError, RequestStream
+from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 2**20  # ~100x the JSON of a 32k-token prompt
+GRACEFUL_SHUTDOWN_S = 30  # in-flight requests get this long to finish on SIGTERM; then they are aborted
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    """One message naming each bad field (at most three), e.g. 'messages.0.role: Input should be ...'."""
+    parts, params = [], []
+    for err in e.errors()[:3]:
+        path = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        parts.append(f"{path}: {msg}" if path else msg)
+        params.append(path or None)
+    return APIError(400, "; ".join(parts), params[0])
+
+
+def _engine_error(e: ValueError, request: BaseModel, default_field: str) -> APIError:
+    """A ValueError of SamplingParams or of the engine, pointed at the request field it is about: their
+    messages start with the name of what is wrong ("top_p must be ...", "prompt has 900 tokens ...")."""
+    message = str(e)
+    name = message.split(maxsplit=1)[0] if message else ""
+    if name in type(request).model_fields:
+        return APIError(400, message, name)
+    return APIError(400, f"{default_field}: {message}", default_field)
+
+
+# -- requests -----------------------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    # Strict: "5" is not an int and 1 is not a bool; a typo in a field name is an error, not a no-op.
+    # No inf or nan: they would reach the sampler's arithmetic.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# Every integer must fit torch's int64 (seeds, top-k and token ids become tensors in the engine thread,
+# where an overflow would fail the step of every request in the batch).
+Int = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+
+
+def _only(description: str) -> WrapValidator:
+    """Replace a union's per-member errors with one message saying what the field accepts."""
+    def validate(value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"must be {description}, got {type(value).__name__}") from None
+    return WrapValidator(validate)
+
+
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]],
+                   _only("a string, a list of strings, a list of token ids or a list of token-id lists")]
+Stop = Annotated[str | list[str] | None, _only("a string or a list of strings")]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    model: str | None = None
+    n: Int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int | None = None
+    seed: Int | None = None
+    stop: Stop = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: bool = False
+    min_tokens: Int = 0
+    priority: Int = 0
+    user: str | None = None  # the tenant of the fair scheduling policy
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Sent by many clients by default; accepted at their neutral value only.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported (only its neutral value)", name, "unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs)
+        except ValueError as e:
+            raise _engine_error(e, self, "request") from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+    max_tokens: Int | None = 16  # OpenAI's default for completions
+    logprobs: Int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str | list[TextPart] | None, _only("a string or a list of {type: 'text', text} parts")] = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        # Chat templates know system, user and assistant; OpenAI's developer role is the new system.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None  # deprecated by OpenAI for max_completion_tokens; both work
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def _parse(model: type[_Strict], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+# -- responses ----------------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": "assistant"} first, then {"content": ...}
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class _Response(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    usage: Usage | None = None
+
+
+class CompletionResponse(_Response):
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Response):
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    choices: list[ChatChunkChoice]
+
+
+# -- from engine outputs to OpenAI choices ------------------------------------------------------------------
+@dataclass
+class Delta:
+    """What one engine step added to one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    text_offset: int  # where `text` starts in the choice's whole text
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class _ChoiceCursor:
+    text_len: int = 0
+    num_tokens: int = 0
+
+
+@dataclass
+class ChoiceTracker:
+    """Turns the engine's cumulative outputs of a group of requests into per-choice deltas and usage."""
+
+    index_of: dict[str, int]  # engine request id -> choice index
+    n: int  # choices per prompt: prompt tokens count once per prompt
+    cursors: dict[int, _ChoiceCursor] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt number -> its length
+
+    def delta(self, out: RequestOutput) -> Delta | None:
+        index, c = self.index_of[out.request_id], out.outputs[0]
+        cur = self.cursors.setdefault(index, _ChoiceCursor())
+        self.prompt_tokens[index // self.n] = len(out.prompt_token_ids)
+        new_tokens = c.token_ids[cur.num_tokens:]
+        if not new_tokens and not out.finished:
+            return None
+        d = Delta(index, c.text[cur.text_len:], new_tokens,
+                  c.logprobs[cur.num_tokens:] if c.logprobs is not None else None, cur.text_len,
+                  c.finish_reason, c.stop_reason)
+        cur.text_len, cur.num_tokens = len(c.text), len(c.token_ids)
+        return d
+
+    def usage(self) -> Usage:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(c.num_tokens for c in self.cursors.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _whole(index: int, c: CompletionOutput) -> Delta:
+    return Delta(index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason, c.stop_reason)
+
+
+class _Formatter(ABC):
+    """What differs between the two APIs: names, and how a choice and a stream chunk look."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+
+    def __init__(self, token_text: Callable[[int], str], top_logprobs: int | None) -> None:
+        self.token_text = token_text
+        self.top_logprobs = top_logprobs  # how many alternatives per token were asked for, None: none
+
+    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
+
+    def stream_start(self, base: dict[str, Any], num_choices: int) -> list[BaseModel]:
+        """Chunks sent before any token."""
+        return []
+
+    @abstractmethod
+    def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
+        """The whole answer of a non-streamed request."""
+
+    @abstractmethod
+    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel:
+        """One stream event: a choice's delta, or (d=None) the usage."""
+
+
+class _CompletionFormatter(_Formatter):
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def _logprobs(self, d: Delta) -> CompletionLogprobs | None:
+        if d.logprobs is None:
+            return None
+        tokens = [self.token_text(t) for t in d.token_ids]
+        offsets = [d.text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[e[t] for t, e in zip(d.token_ids, d.logprobs)],
+            top_logprobs=[{self.token_text(k): v for k, v in self._top(e)} for e in d.logprobs], text_offset=offsets)
+
+    def choice(self, d: Delta) -> CompletionChoice:
+        return CompletionChoice(index=d.index, text=d.text, logprobs=self._logprobs(d),
+                                finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+
+    def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
+        return CompletionResponse(**base, object=self.object, choices=[self.choice(d) for d in choices], usage=usage)
+
+    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel:
+        return CompletionResponse(**base, object=self.chunk_object, choices=[self.choice(d)] if d else [],
+                                  usage=usage)
+
+
+class _ChatFormatter(_Formatter):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def _logprobs(self, d: Delta) -> ChatLogprobs | None:
+        if d.logprobs is None:
+            return None
+
+        def top(token: int, logprob: float) -> TopLogprob:
+            text = self.token_text(token)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        return ChatLogprobs(content=[
+            TokenLogprob(**top(t, e[t]).model_dump(), top_logprobs=[top(k, v) for k, v in self._top(e)])
+            for t, e in zip(d.token_ids, d.logprobs)])
+
+    def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
+        return ChatCompletionResponse(**base, object=self.object, usage=usage, choices=[
+            ChatChoice(index=d.index, message=ChatResponseMessage(content=d.text), logprobs=self._logprobs(d),
+                       finish_reason=d.finish_reason, stop_reason=d.stop_reason) for d in choices])
+
+    def stream_start(self, base: dict[str, Any], num_choices: int) -> list[BaseModel]:
+        return [ChatCompletionChunk(**base, object=self.chunk_object,
+                                    choices=[ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+                for i in range(num_choices)]
+
+    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel:
+        choices = [ChatChunkChoice(index=d.index, delta={"content": d.text}, logprobs=self._logprobs(d),
+                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason)] if d else []
+        return ChatCompletionChunk(**base, object=self.chunk_object, choices=choices, usage=usage)
+
+
+# -- the server ------------------------------------------------------------------------------------------------
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
+
+@dataclass
+class ServerOptions:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int | None = None  # None: no limit
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+
+
+@dataclass
+class _Generation:
+    """A validated request, ready for the engine."""
+
+    body: _GenerationRequest
+    prompts: list[PromptType]
+    params: SamplingParams
+    formatter: _Formatter
+    prompt_field: str  # where a prompt error points: "prompt" or "messages"
+
+
+class OpenAIServer:
+    def __init__(self, engine: LLMEngine, options: ServerOptions) -> None:
+        self.options = options
+        self.tokenizer = engine.tokenizer
+        self.max_num_seqs = engine.config.max_num_seqs
+        self.metrics = ServerMetrics(options.served_model_name, lambda: self.engine.stats)
+        self.engine = AsyncEngine(engine, options.max_waiting_requests, self.metrics.observe_finished)
+
+    # -- endpoints -------------------------------------------------------------------------------------------
+    async def health(self) -> Response:
+        try:
+            self.engine.check_running()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), None, "engine_dead") from None
+        return Response(status_code=200)
+
+    async def metrics_endpoint(self) -> Response:
+        content, content_type = self.metrics.render()
+        return Response(content, media_type=content_type)
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.options.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "minivllm", "max_model_len": self.engine.engine.max_model_len}]})
+
+    async def completions(self, request: Request) -> Response:
+        body = _parse(CompletionRequest, await _read_body(request))
+        self._check_model(body.model)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        formatter = _CompletionFormatter(self._token_text, body.logprobs)
+        return await self._generate(request, _Generation(body, _completion_prompts(body.prompt), params, formatter,
+                                                         "prompt"))
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = _parse(ChatCompletionRequest, await _read_body(request))
+        self._check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        try:
+            prompt = self.tokenizer.apply_chat_template([m.template_dict() for m in body.messages])
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(400, f"messages: {e}", "messages") from None
+        formatter = _ChatFormatter(self._token_text, body.top_logprobs or 0)
+        return await self._generate(request, _Generation(body, [prompt], params, formatter, "messages"))
+
+    # -- shared by both APIs -----------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.options.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.options.served_model_name}`", "model", "model_not_found")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _generate(self, request: Request, gen: _Generation) -> Response:
+        if gen.params.n > self.max_num_seqs:
+            raise APIError(400, f"n must be <= {self.max_num_seqs} (max_num_seqs), got {gen.params.n}", "n")
+        fmt = gen.formatter
+        base = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.options.served_model_name}
+        children = gen.params.fan_out()
+        requests = [EngineRequest(f"{base['id']}-{p * len(children) + k}", prompt, child)
+                    for p, prompt in enumerate(gen.prompts) for k, child in enumerate(children)]
+        tracker = ChoiceTracker({r.request_id: i for i, r in enumerate(requests)}, len(children))
+        try:
+            stream = await self.engine.generate(requests, gen.body.priority, gen.body.user or "default")
+        except ValueError as e:  # the engine's checks: the prompt's emptiness, token ids, length; stop tokens
+            raise _engine_error(e, gen.body, gen.prompt_field) from None
+        except QueueFullError as e:
+            raise APIError(503, str(e), None, "queue_full") from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), None, "engine_dead") from None
+        if gen.body.stream:
+            return EventSourceResponse(self._sse(stream, tracker, fmt, base, gen.body.include_usage, len(requests)))
+        try:
+            finals = await _collect(stream, request)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), None, "engine_dead") from None
+        if finals is None:  # the client hung up: nobody to answer
+            return Response(status_code=499)
+        for out in finals:
+            tracker.delta(out)
+        choices = [_whole(tracker.index_of[o.request_id], o.outputs[0]) for o in finals]
+        return JSONResponse(fmt.response(base, sorted(choices, key=lambda d: d.index), tracker.usage()).model_dump())
+
+    @staticmethod
+    async def _sse(stream: RequestStream, tracker: ChoiceTracker, fmt: _Formatter, base: dict[str, Any],
+                   include_usage: bool, num_choices: int) -> AsyncIterator[bytes]:
+        """One event per choice per engine step; a client that hangs up cancels this, which aborts."""
+        try:
+            for chunk in fmt.stream_start(base, num_choices):
+                yield _event(chunk)
+            async for out in stream:
+                if (d := tracker.delta(out)) is not None:
+                    yield _event(fmt.chunk(base, d))
+            if include_usage:
+                yield _event(fmt.chunk(base, None, tracker.usage()))
+        except EngineDeadError as e:
+            yield format_sse_event(data_str=json.dumps(APIError(503, str(e), None, "engine_dead").body()))
+        finally:
+            stream.close()
+        yield format_sse_event(data_str="[DONE]")
+
+    # -- authentication -----------------------------------------------------------------------------------------
+    def check_api_key(self, credentials: Bearer) -> None:
+        key = self.options.api_key
+        if key is None:
+            return
+        if credentials is None:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", None,
+                           "invalid_api_key")
+        if not secrets.compare_digest(credentials.credentials.encode(), key.encode()):
+            raise APIError(401, "incorrect API key", None, "invalid_api_key")
+
+
+def _event(chunk: BaseModel) -> bytes:
+    return format_sse_event(data_str=chunk.model_dump_json())
+
+
+def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
+    """A completion request may carry several prompts; each becomes its own choices."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    return list(prompt)
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large(int(declared))
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise _too_large(len(body))
+    return bytes(body)
+
+
+def _too_large(size: int) -> APIError:
+    return APIError(413, f"request body is too large: {size} bytes, the limit is {MAX_BODY_BYTES}", None,
+                    "request_too_large")
+
+
+async def _collect(stream: RequestStream, request: Request) -> list[RequestOutput] | None:
+    """The final output of every request of the group, or None if the client hangs up first (which
+    aborts them)."""
+    finals: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in stream:
+            if out.finished:
+                finals.append(out)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    consumer, hangup = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({consumer, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        consumer.cancel()
+        hangup.cancel()
+        stream.close()
+    if not consumer.done() or consumer.cancelled():
+        return None
+    consumer.result()  # raises EngineDeadError, if that is how it ended
+    return finals
+
+
+# -- the app -----------------------------------------------------------------------------------------------------
+def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
+    server = OpenAIServer(engine, options)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.engine.start()
+        yield
+        await server.engine.shutdown()
+
+    app = FastAPI(title="minivllm", lifespan=lifespan)
+    v1 = [Depends(server.check_api_key)]
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics_endpoint)
+    app.get("/v1/models", dependencies=v1)(server.models)
+    app.post("/v1/completions", dependencies=v1)(server.completions)
+    app.post("/v1/chat/completions", dependencies=v1)(server.chat_completions)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # unknown path, method
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect) -> Response:  # hung up while sending the body
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {e!r}", None, "internal_error").response()
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+        super().__init__(config)
+        self.model_name = model_name
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # the port is bound: now the address (and the real port, with --port 0) is known
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host
+            print(f"minivllm: serving {self.model_name} on http://{host}:{port}", flush=True)
+
+
+def serve(engine: LLMEngine, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve until SIGTERM or Ctrl-C, then stop accepting, let in-flight requests finish (aborting
+    those still running after GRACEFUL_SHUTDOWN_S), and return."""
+    app = build_app(engine, options)
+    server = _Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+                     options.served_model_name)
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; by then all is
+    # done, so let it pass and exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()

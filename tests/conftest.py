@@ -1,0 +1,108 @@
+"""Fixtures that load the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) once per engine
+configuration, and the Hugging Face transformers reference on the same weights once per session.
+
+Nothing heavy is imported at module level: the scheduler's tests run without torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _load(**engine_args: Any) -> Any:
+    from minivllm import LLM
+
+    # float32: the reference comparisons need it, and it is the dtype of the HF reference.
+    return LLM(dtype="float32", **engine_args)
+
+
+def _checked(llm: Any) -> Iterator[Any]:
+    """Hand a shared engine to one test, then make sure the test left it idle with no block leaked."""
+    from tests.helpers import assert_idle, drain
+
+    yield llm
+    left_running = llm.engine.has_unfinished_requests()
+    drain(llm.engine)  # so that one failing test does not fail the next ones
+    assert not left_running, "the test left requests unfinished"
+    assert_idle(llm.engine)
+
+
+@pytest.fixture(scope="session")
+def _default_llm() -> Any:
+    return _load(num_kv_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def _small_kv_llm() -> Any:
+    # 24 blocks of 16 tokens: the long prompt alone needs 18, so concurrent requests must preempt.
+    return _load(num_kv_blocks=24, max_model_len=320)
+
+
+@pytest.fixture(scope="session")
+def _small_budget_llm() -> Any:
+    # 32 tokens per step: prompts are chunked and wait for each other's prefills.
+    return _load(num_kv_blocks=256, max_num_batched_tokens=32)
+
+
+@pytest.fixture
+def llm(_default_llm: Any) -> Iterator[Any]:
+    yield from _checked(_default_llm)
+
+
+@pytest.fixture
+def small_kv_llm(_small_kv_llm: Any) -> Iterator[Any]:
+    yield from _checked(_small_kv_llm)
+
+
+@pytest.fixture
+def small_budget_llm(_small_budget_llm: Any) -> Iterator[Any]:
+    yield from _checked(_small_budget_llm)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from minivllm.model.loader import default_model_path
+
+    return Path(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path: Path) -> Any:
+    """transformers' own model on the same GGUF, dequantized by transformers, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.model.loader import model_files_dir
+
+    directory, gguf_file = model_files_dir(default_model_path)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model: Any) -> Callable[[list[int], int], list[int]]:
+    """HF `generate`'s greedy continuation of a tokenized prompt, computed once per prompt."""
+    import torch
+
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def reference(prompt_ids: list[int], num_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), num_tokens)
+        if key not in cache:
+            ids = torch.tensor([prompt_ids])
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=num_tokens, min_new_tokens=num_tokens)
+            cache[key] = out[0, len(prompt_ids):].tolist()
+        return cache[key]
+
+    return reference
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(_default_llm: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's tokenizer saved as Hugging Face files, for checkpoints built by the tests."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    _default_llm.get_tokenizer().save_pretrained(path)
+    return path
