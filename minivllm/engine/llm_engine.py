@@ -6,8 +6,10 @@
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.trace import StepRow, StepTracer
 from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import load_checkpoint, resolve_model_path
+from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
 from minivllm.model.sampler import Sampler
 from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -30,18 +32,24 @@ from minivllm.sampling_params import SamplingParams
 PromptType = str | list[int] | dict[str, Any]
 
 
+@functools.lru_cache(maxsize=2)
+def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[ModelConfig, LlamaForCausalLM, Tokenizer]:
+    """Engines in one process (a benchmark comparing schedulers, a test suite) share read-only
+    weights: the KV cache and all state are per engine."""
+    model_config, weights = load_checkpoint(path)
+    tokenizer = Tokenizer(path, model_config)
+    return model_config, LlamaForCausalLM.from_weights(model_config, weights, device, dtype), tokenizer
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
-        path = resolve_model_path(config.model)
-        self.model_config, weights = load_checkpoint(path)
-        self.tokenizer = Tokenizer(path, self.model_config)
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.model_config, model, self.tokenizer = load_model(resolve_model_path(config.model), self.device, self.dtype)
 
         num_blocks = config.num_kv_blocks or max(
             1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(self.model_config, config.block_size, self.dtype))
         self.max_model_len = self._max_model_len(num_blocks)
-        model = LlamaForCausalLM.from_weights(self.model_config, weights, self.max_model_len, self.device, self.dtype)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.seed)
 

@@ -51,17 +51,20 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+    """cos/sin of each position's angles, computed once per forward (no table to size)."""
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1 (heads), head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +86,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -91,7 +94,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.flatten(1))
 
@@ -115,40 +118,41 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = Rotary(config, max_positions)
+        self.rotary = Rotary(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], max_positions: int,
+    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
                      device: torch.device, dtype: torch.dtype) -> "LlamaForCausalLM":
         """Build the model without initializing it (on the meta device), then take the checkpoint's
         tensors as its parameters: no random init, no second copy of the weights."""
         with torch.device("meta"):
-            model = cls(config, max_positions)
-        model.rotary = Rotary(config, max_positions)  # computed, not loaded: build it for real
+            model = cls(config)
+        model.rotary = Rotary(config)  # computed, not loaded: build it for real
         model._assign(weights, dtype)
         return model.to(device).eval()
 
