@@ -2,16 +2,20 @@
 
 The runner packs a step's tokens as [decode tokens | prefill tokens | padding]. Each layer first
 writes the new K/V into the cache through `slot_mapping`, then attends: all decodes together in one
-batched call reading their blocks through `decode_block_tables`, then each prefill chunk on its own
+call reading their blocks through `decode_block_tables` (in place with the native CPU kernel, else
+gathered for torch's scaled_dot_product_attention), then each prefill chunk on its own
 (a fresh prompt attends to its own K/V directly; a later chunk reads its context from the cache).
 Padding tokens (static batching) attend to nothing: their output is zero.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from minivllm.model.kernels import paged_decode_attention
 
 
 @dataclass
@@ -28,7 +32,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_real_tokens]: cache slot of each new token's K/V
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    # The native kernel (kernels.py) reads the pool in place; without it, torch gathers and masks.
+    decode_kernel: Callable | None = None
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], torch path only
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @property
@@ -48,7 +55,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
 
     d = meta.num_decodes
-    if d:
+    if d and meta.decode_kernel is not None:
+        out[:d] = paged_decode_attention(meta.decode_kernel, q[:d].contiguous(), k_cache, v_cache,
+                                         meta.decode_block_tables, meta.decode_context_lens, scale)
+    elif d:
         keys = _gather(k_cache, meta.decode_block_tables)  # [d, kv_heads, ctx, head_dim]
         values = _gather(v_cache, meta.decode_block_tables)
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,

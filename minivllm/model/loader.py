@@ -199,7 +199,9 @@ def _gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
         else:
             continue  # e.g. rope_freqs: recomputed from the config
         data = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
-        tensor = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        # Unquantized tensors come back as read-only views of the memory-mapped file.
+        tensor = torch.from_numpy(data if data.flags.writeable else data.copy())
         # llama.cpp stores Llama's Q and K rows permuted for its interleaved RoPE; undo it.
         if config.architecture == "llama" and parts[-1] in ("attn_q", "attn_k"):
             n = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads

@@ -7,6 +7,7 @@ import torch
 from minivllm.engine.scheduler import SchedulerOutput, will_sample
 from minivllm.engine.sequence import Sequence
 from minivllm.model.attention import AttentionMetadata, PrefillSpan
+from minivllm.model.kernels import decode_attention_kernel
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig
 
@@ -24,6 +25,7 @@ class ModelRunner:
         self.device = device
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.decode_kernel = decode_attention_kernel(device, dtype)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_hidden_layers)]
@@ -66,15 +68,17 @@ class ModelRunner:
 
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                                 num_decodes=len(decodes), prefills=spans)
+                                 num_decodes=len(decodes), prefills=spans, decode_kernel=self.decode_kernel)
         if decodes:
             max_blocks = max(len(s.block_table) for s, _ in decodes)
-            tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in decodes],
-                                  dtype=torch.long, device=dev)
-            context = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes], device=dev)
-            meta.decode_block_tables = tables
-            meta.decode_mask = (torch.arange(max_blocks * self.block_size, device=dev)[None, :]
-                                < context[:, None])[:, None, None, :]
+            meta.decode_block_tables = torch.tensor(
+                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in decodes],
+                dtype=torch.long, device=dev)
+            meta.decode_context_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes],
+                                                    dtype=torch.long, device=dev)
+            if self.decode_kernel is None:
+                meta.decode_mask = (torch.arange(max_blocks * self.block_size, device=dev)[None, :]
+                                    < meta.decode_context_lens[:, None])[:, None, None, :]
         sample_idx = [where[id(s)] for s, n in output.scheduled if will_sample(s, n)]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, torch.tensor(sample_idx, dtype=torch.long, device=dev))
