@@ -90,27 +90,42 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     from minivllm.bench.compare import run_engine, run_hf, summarize
     from minivllm.bench.hf_backend import HFGenerator
-    from minivllm.bench.report import compare_markdown, compare_table, verdict, write_plots
+    from minivllm.bench.report import compare_markdown, compare_table, verdict, write_plots, write_rows
+    from minivllm.engine.llm_engine import load_model
+    from minivllm.model.loader import resolve_model_path
 
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, _ = load_tokenizer(args.model)
+    config = EngineConfig.from_cli_args(args, seed=args.seed)
+    # Loaded once: both engines below share these weights and this tokenizer.
+    _, _, tokenizer = load_model(resolve_model_path(config.model), config.torch_device, config.torch_dtype)
     rng = np.random.default_rng(args.seed)
     requests = mixed_requests(TextCorpus(tokenizer), args.num_prompts, args.long_fraction, args.short_input_len,
                               args.short_output_len, args.long_input_len, args.long_output_len, rng)
     with_arrivals(requests, args.request_rate, args.burstiness, rng)
     show = not args.disable_tqdm
-    config = EngineConfig.from_cli_args(args, seed=args.seed)
     runs = [run_engine(replace(config, scheduler=scheduler), requests, str(out_dir / f"{scheduler}.csv"), show)
             for scheduler in ("static", "continuous")]
     files = ["static.csv", "static.json", "continuous.csv", "continuous.json"]
     if args.with_hf:
         generator = HFGenerator(config.model, config.torch_dtype, config.torch_device, tokenizer)
         runs.append(run_hf(generator, requests, args.hf_batch_size or args.static_batch_size, show))
-        write_rows(out_dir / "hf.csv", runs[-1].rows)
-        files.append("hf.csv")
+        files.append(write_rows(out_dir / "hf.csv", runs[-1].rows))
     summaries = [summarize(run) for run in runs]
-    files += write_plots(runs, out_dir, args.static_batch_size)
+    files += write_plots(runs, out_dir, args.static_batch_size) + ["results.json"]
+    workload, setup = _describe_compare(args, config, requests)
+    (out_dir / "report.md").write_text(compare_markdown(summaries, workload, setup, _compare_command(args), files))
+    print(verdict(summaries))
+    print(compare_table(summaries))
+    print(f"Report: {out_dir / 'report.md'}")
+    result = {"workload": {"description": workload, "requests": requests_as_dicts(requests)}, "setup": setup,
+              "engine": asdict(config), "summaries": [asdict(s) for s in summaries]}
+    write_json(str(out_dir / "results.json"), result)
+    write_json(args.output_json, result)
+
+
+def _describe_compare(args: argparse.Namespace, config: EngineConfig, requests: list) -> tuple[str, str]:
+    """(the workload, the systems' setup) in a sentence each, for the report."""
     n_long = sum(r.kind == "long" for r in requests)
     workload = (f"{len(requests)} requests ({n_long} long, {len(requests) - n_long} short), arrivals at "
                 f"{args.request_rate} req/s (burstiness {args.burstiness}), seed {args.seed}; short: prompts "
@@ -121,16 +136,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
              f"{_dtype_name(config)}; static batch size {args.static_batch_size}"
              + (f", hf batch size {args.hf_batch_size or args.static_batch_size}" if args.with_hf else "")
              + f"; continuous: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-               f"{config.max_num_batched_tokens}, chunked prefill {config.enable_chunked_prefill}")
-    report = compare_markdown(summaries, workload, setup, _compare_command(args), files + ["results.json"])
-    (out_dir / "report.md").write_text(report)
-    print(verdict(summaries))
-    print(compare_table(summaries))
-    print(f"Report: {out_dir / 'report.md'}")
-    result = {"workload": {"description": workload, "requests": requests_as_dicts(requests)}, "setup": setup,
-              "summaries": [asdict(s) for s in summaries]}
-    write_json(str(out_dir / "results.json"), result)
-    write_json(args.output_json, result)
+               f"{config.max_num_batched_tokens}, chunked prefill {config.enable_chunked_prefill}; "
+               f"the whole engine config is in results.json")
+    return workload, setup
 
 
 def _compare_command(args: argparse.Namespace) -> str:
@@ -149,18 +157,6 @@ def _span(bounds: tuple[int, int], sep: str = "..") -> str:
     return f"{bounds[0]}{sep}{bounds[1]}"
 
 
-def write_rows(path: Path, rows: list) -> None:
-    """Step rows in the engine's trace CSV format (the HF peer has no engine to write them)."""
-    import csv
-
-    from minivllm.engine.trace import COLUMNS
-
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(COLUMNS)
-        writer.writerows([getattr(r, c) for c in COLUMNS] for r in rows)
-
-
 # -- roofline -------------------------------------------------------------------------------------------
 def cmd_roofline(args: argparse.Namespace) -> None:
     from minivllm.bench.roofline import format_roofline, measure
@@ -169,7 +165,7 @@ def cmd_roofline(args: argparse.Namespace) -> None:
     path = resolve_model_path(args.model)
     model_config, _ = load_checkpoint(path)
     device = EngineConfig(device=args.device).torch_device
-    roof = measure(model_config, device, args.num_tokens, tuple(args.dtypes.split(",")),
+    roof = measure(model_config, device, args.num_tokens, args.dtypes,
                    progress=lambda what: print(f"measuring {what}...", file=sys.stderr, flush=True))
     print(format_roofline(roof, path.stem))
     write_json(args.output_json, {"model": str(path), **asdict(roof),
@@ -186,9 +182,16 @@ def _output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
 
 def _rate(text: str) -> float:
     rate = float(text)
-    if not (rate > 0 or math.isinf(rate)):
+    if not rate > 0:  # inf is welcome: everything at once
         raise argparse.ArgumentTypeError(f"must be > 0 or inf, got {text!r}")
     return rate
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(","))
+    if not set(names) <= {"bfloat16", "float32", "float16"}:
+        raise argparse.ArgumentTypeError(f"expected dtypes among bfloat16, float32, float16; got {text!r}")
+    return names
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -245,6 +248,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint whose layer shapes are measured (default: SmolLM2)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--num-tokens", type=int, default=512, help="tokens per GEMM (the batch of a step)")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes to measure")
+    p.add_argument("--dtypes", type=_dtypes, default=("bfloat16", "float32"),
+                   help="comma-separated dtypes to measure (default: bfloat16,float32)")
     _output_args(p, progress=False)
     p.set_defaults(func=cmd_roofline)

@@ -37,10 +37,6 @@ class SystemRun:
     t0: float  # perf_counter of the first arrival
 
 
-def greedy(req: BenchRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-
-
 def warm_up(engine: LLMEngine) -> None:
     """One tiny request first, so that one-time setup is not billed to the first arrivals."""
     engine.add_request("warm-up", engine.tokenizer.encode("Warming up."), SamplingParams(max_tokens=2))
@@ -53,13 +49,13 @@ def replay_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, sh
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     done: dict[str, RequestMetrics] = {}
     bar = tqdm(total=len(requests), desc=name, disable=not show_progress, dynamic_ncols=True)
-    first_row = len(engine.tracer.rows)
     t0 = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         now = time.perf_counter()
         while pending and t0 + pending[0].arrival <= now:
             req = pending.popleft()
-            engine.add_request(req.request_id, req.prompt_token_ids, greedy(req), arrival_time=t0 + req.arrival)
+            engine.add_request(req.request_id, req.prompt_token_ids, req.sampling_params(),
+                               arrival_time=t0 + req.arrival)
         if not engine.has_unfinished_requests():
             time.sleep(t0 + pending[0].arrival - now)  # idle until the next arrival
             continue
@@ -69,7 +65,7 @@ def replay_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, sh
                 bar.update(1)
     bar.close()
     shift = t0 - engine.start_time  # trace rows count from the engine's start
-    rows = [replace(r, t_start=r.t_start - shift, t_end=r.t_end - shift) for r in engine.tracer.rows[first_row:]]
+    rows = [replace(r, t_start=r.t_start - shift, t_end=r.t_end - shift) for r in engine.tracer.rows]
     return SystemRun(name, requests, [done[r.request_id] for r in requests], rows, t0)
 
 
@@ -83,7 +79,7 @@ def run_engine(config: EngineConfig, requests: list[BenchRequest], trace_path: s
     finally:
         engine.close()
         del engine
-        gc.collect()
+        gc.collect()  # free this engine's KV cache before the next engine allocates its own
 
 
 def run_hf(generator: HFGenerator, requests: list[BenchRequest], batch_size: int,

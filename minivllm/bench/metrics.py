@@ -125,7 +125,3 @@ def parse_goodput(items: Sequence[str]) -> dict[str, float]:
             raise ValueError(f"--goodput {item!r}: the limit must be >= 0")
     return slos
 
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """One percentile (linear interpolation, as above); 0 for no values."""
-    return float(np.percentile(values, p)) if len(values) else 0.0

@@ -1,15 +1,17 @@
 """Presenting results: vLLM-style text blocks, the compare report in Markdown, and its plots."""
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 from minivllm.bench.compare import DECAY_POINTS, SystemRun, SystemSummary, batch_size
 from minivllm.bench.metrics import Distribution, ServingMetrics
+from minivllm.engine.trace import COLUMNS, StepRow
 
 
-def serving_text(m: ServingMetrics, title: str = "Serving Benchmark Result") -> str:
+def serving_text(m: ServingMetrics) -> str:
     """The result block of `vllm bench serve`, with the same names and units."""
-    lines = [f"{' ' + title + ' ':=^60}",
+    lines = [f"{' Serving Benchmark Result ':=^60}",
              f"{'Successful requests:':<44}{m.completed:<16}",
              f"{'Failed requests:':<44}{m.failed:<16}",
              f"{'Benchmark duration (s):':<44}{m.duration:<16.2f}",
@@ -134,7 +136,8 @@ def write_plots(runs: list[SystemRun], out_dir: Path, static_batch_size: int) ->
     ax.legend()
     names.append(save(fig, "ttft_cdf.png"))
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), squeeze=False)
+    top = max(r.num_scheduled_tokens for run in runs for r in run.rows) * 1.5
     for ax, run in zip(axes[:, 0], runs):
         steps = range(1, len(run.rows) + 1)
         useful = [r.num_scheduled_tokens - r.num_padding_tokens for r in run.rows]
@@ -142,9 +145,18 @@ def write_plots(runs: list[SystemRun], out_dir: Path, static_batch_size: int) ->
         ax.bar(steps, [r.num_padding_tokens for r in run.rows], width=1.0, bottom=useful, color="tab:red",
                label="padding / idle slots")
         # Log scale: a prefill step computes hundreds of tokens, a decode step one per sequence.
-        ax.set(yscale="log", ylabel="tokens per step", title=run.name)
+        ax.set(yscale="log", ylim=(0.5, top), ylabel="tokens per step", title=run.name)
         ax.legend(loc="upper right")
     axes[-1, 0].set_xlabel("engine step")
     names.append(save(fig, "tokens_per_step.png"))
     return names
 
+
+
+def write_rows(path: Path, rows: list[StepRow]) -> str:
+    """Step rows in the engine's trace CSV format (the HF peer has no engine to write them)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        writer.writerows([getattr(r, c) for c in COLUMNS] for r in rows)
+    return path.name

@@ -95,7 +95,7 @@ class Roofline:
 def model_gemms(config: ModelConfig) -> tuple[list[GemmShape], GemmShape]:
     """(the decoder layers' linear shapes with their counts, the lm_head), from the model code itself."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=1)
+        model = LlamaForCausalLM(config)
     counts: Counter[tuple[str, int, int]] = Counter()
     for name, module in model.layers.named_modules():
         if isinstance(module, torch.nn.Linear):
@@ -137,9 +137,12 @@ def time_gemm(shape: GemmShape, tokens: int, dtype: torch.dtype, device: torch.d
 
 
 def read_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> float:
-    """Bytes/s of a reduction over a buffer far larger than any cache: a pure streaming read."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    return nbytes / best_time(lambda: x.sum(), device)
+    """Bytes/s of a matrix-vector product over a matrix far larger than any cache: a streaming read
+    of every byte once, which is what batch-1 decode does to the weights."""
+    columns = 4096
+    matrix = torch.ones(nbytes // 4 // columns, columns, dtype=torch.float32, device=device)
+    vector = torch.ones(columns, dtype=torch.float32, device=device)
+    return matrix.numel() * 4 / best_time(lambda: torch.mv(matrix, vector), device)
 
 
 def measure(config: ModelConfig, device: torch.device, tokens: int = 512, dtypes: tuple[str, ...] = DTYPES,
@@ -169,11 +172,11 @@ def format_roofline(r: Roofline, model_name: str) -> str:
                  + ", ".join(f"{d.weight_bytes / 1e6:.0f} MB ({n})" for n, d in r.per_dtype.items()))
     lines.append("prefill: decoder-layer GEMMs (compute-bound); decode: layers + lm_head at a large batch "
                  "(compute-bound); batch-1: weight bytes / read bandwidth (memory-bound)")
-    lines.append(f"{'GEMM shape':<34}" + "".join(f"{n + ' GFLOP/s':>18}" for n in r.per_dtype))
+    lines.append(f"{'GEMM shape':<42}" + "".join(f"{n + ' GFLOP/s':>18}" for n in r.per_dtype))
     first = next(iter(r.per_dtype.values()))
     for i, t in enumerate([*first.body, first.lm_head]):
         s = t.shape
         label = f"{s.name} [{r.tokens}x{s.in_features}]x[{s.in_features}x{s.out_features}] x{s.count}"
         rates = [([*d.body, d.lm_head][i]).gflops(r.tokens) for d in r.per_dtype.values()]
-        lines.append(f"{label:<34}" + "".join(f"{g:>18.1f}" for g in rates))
+        lines.append(f"{label:<42}" + "".join(f"{g:>18.1f}" for g in rates))
     return "\n".join(lines)

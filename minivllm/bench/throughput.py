@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from minivllm.bench.compare import warm_up
 from minivllm.bench.hf_backend import HFGenerator
 from minivllm.bench.workloads import BenchRequest, build_workload
 from minivllm.config import EngineConfig
 from minivllm.llm import LLM
 from minivllm.model.loader import ModelConfig
 from minivllm.model.tokenizer import Tokenizer
-from minivllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -57,12 +57,10 @@ def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True
                  ) -> tuple[ThroughputResult, list[BenchRequest], ModelConfig]:
     llm = LLM(**vars(config))
     requests = build_workload(spec, llm.engine.tokenizer, np.random.default_rng(spec["seed"]))
-    # One tiny request first, so that one-time setup is not billed to the measurement.
-    llm.generate(llm.engine.tokenizer.encode("Warming up."), SamplingParams(max_tokens=2), use_tqdm=False)
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    warm_up(llm.engine)
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
-                        use_tqdm=show_progress)
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                        [r.sampling_params() for r in requests], use_tqdm=show_progress)
     elapsed = time.perf_counter() - start
     result = ThroughputResult("minivllm", len(outs), elapsed, sum(len(o.prompt_token_ids) for o in outs),
                               sum(len(o.outputs[0].token_ids) for o in outs))
@@ -76,13 +74,13 @@ def run_hf(config: EngineConfig, spec: dict, batch_size: int, tokenizer: Tokeniz
     generator = HFGenerator(config.model, config.torch_dtype, config.torch_device, tokenizer)
     generator.warm_up()
     bar = tqdm(total=len(requests), desc="Processed prompts (hf)", disable=not show_progress, dynamic_ncols=True)
+    output_tokens = 0
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        generator.run_batch(batch)
-        bar.update(len(batch))
+        run = generator.run_batch(requests[i:i + batch_size])
+        # A member's output is its first output_len tokens; the batch's steps beyond them are waste.
+        output_tokens += sum(min(r.output_len, len(run.step_times)) for r in run.requests)
+        bar.update(len(run.requests))
     elapsed = time.perf_counter() - start
     bar.close()
-    result = ThroughputResult("hf", len(requests), elapsed, sum(r.prompt_len for r in requests),
-                              sum(r.output_len for r in requests))
-    return result, requests
+    return ThroughputResult("hf", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens), requests

@@ -17,6 +17,7 @@ import numpy as np
 
 from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
 from minivllm.model.tokenizer import Tokenizer
+from minivllm.sampling_params import SamplingParams
 
 DATASETS = ("fixed", "random", "shared-prefix", "jsonl")
 # The project's reference workload (issues 2, 5 and 6): `--dataset fixed`.
@@ -37,6 +38,10 @@ class BenchRequest:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    def sampling_params(self) -> SamplingParams:
+        """Greedy, and ignore_eos so that the output length is the workload's, whatever the text."""
+        return SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
 
 
 @functools.lru_cache(maxsize=4)
