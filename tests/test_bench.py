@@ -323,3 +323,27 @@ def test_serve_end_to_end(tmp_path, server_url):
         assert r["e2e"] == pytest.approx(r["ttft"] + sum(r["itl"]))
     assert m["tpot_ms"]["mean"] > 0 and m["itl_ms"]["mean"] > 0
     assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs: all good
+
+
+def test_scheduling_scenarios_show_chunked_steps_and_fair_rows(tmp_path):
+    """`bench scheduling` on tiny sizes: the chunked run never exceeds its budget and keeps the
+    streams decoding beside the long prompt; the unchunked run computes the prompt in one step."""
+    import csv
+
+    from minivllm.bench.scheduling import run_chunked_prefill, run_fair, table
+    from minivllm.bench.workloads import TextCorpus, load_tokenizer
+    from minivllm.config import EngineConfig
+
+    base = EngineConfig(dtype="float32", num_kv_blocks=128)
+    corpus = TextCorpus(load_tokenizer(None)[0])
+    rows = run_chunked_prefill(base, corpus, 0, 64, str(tmp_path), False, long_len=256, num_streams=2)
+    traces = [list(csv.DictReader(open(tmp_path / f"chunked-prefill-{i}.csv"))) for i in range(2)]
+    chunked, whole = ([{k: int(float(v)) for k, v in r.items()} for r in t] for t in traces)
+    assert all(r["num_scheduled_tokens"] <= 64 for r in chunked)
+    assert any(r["num_prefill_tokens"] >= 32 and r["num_decode_tokens"] > 0 for r in chunked)
+    assert any(r["num_prefill_tokens"] >= 256 for r in whole), "the whole prompt in one step"
+    assert [r.group for r in rows] == ["short", "stream", "short", "stream"]
+    fair_rows = run_fair(base, corpus, 0, str(tmp_path), False, num_light=2)
+    assert [(r.name.split(",")[0], r.group) for r in fair_rows] == [
+        ("fair", "light"), ("fair", "light"), ("fair", "heavy"), ("fcfs", "light"), ("fcfs", "heavy")]
+    assert "| setting |" in table(rows + fair_rows)

@@ -194,8 +194,23 @@ def _dtypes(text: str) -> tuple[str, ...]:
     return names
 
 
+def cmd_scheduling(args: argparse.Namespace) -> None:
+    from minivllm.bench.scheduling import run_chunked_prefill, run_fair, table
+
+    config = EngineConfig.from_cli_args(args)
+    corpus = TextCorpus(load_tokenizer(config.model)[0])
+    progress = not args.disable_tqdm
+    rows = []
+    if args.scenario in ("chunked-prefill", "all"):
+        rows += run_chunked_prefill(config, corpus, args.seed, args.chunk_budget, args.output_dir, progress)
+    if args.scenario in ("fair", "all"):
+        rows += run_fair(config, corpus, args.seed, args.output_dir, progress)
+    print(table(rows))
+    write_json(args.output_json, {"engine": asdict(config), "rows": [asdict(r) for r in rows]})
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, compare, roofline")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, compare, scheduling, roofline")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bench_sub.add_parser("throughput", help="offline throughput of a workload (minivllm or --backend hf)")
@@ -243,6 +258,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file"))
     p.set_defaults(func=cmd_compare)
+
+    p = bench_sub.add_parser("scheduling", help="chunked prefill and fair-share trade-offs on the real model")
+    p.add_argument("--scenario", choices=("chunked-prefill", "fair", "all"), default="all")
+    p.add_argument("--chunk-budget", type=int, default=256, help="max_num_batched_tokens of the chunked run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="runs/scheduling", help="step traces of every run")
+    _output_args(p)
+    EngineConfig.add_cli_args(p, skip=("seed", "trace_file", "enable_chunked_prefill", "scheduling_policy"))
+    p.set_defaults(func=cmd_scheduling)
 
     p = bench_sub.add_parser("roofline", help="this machine's GEMM rate, read bandwidth and the model's roofline")
     p.add_argument("--model", default=None, help="checkpoint whose layer shapes are measured (default: SmolLM2)")

@@ -55,7 +55,7 @@ def replay_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, sh
         while pending and t0 + pending[0].arrival <= now:
             req = pending.popleft()
             engine.add_request(req.request_id, req.prompt_token_ids, req.sampling_params(),
-                               arrival_time=t0 + req.arrival)
+                               arrival_time=t0 + req.arrival, tenant=req.tenant)
         if not engine.has_unfinished_requests():
             time.sleep(t0 + pending[0].arrival - now)  # idle until the next arrival
             continue

@@ -34,6 +34,7 @@ class BenchRequest:
     output_len: int
     arrival: float = 0.0  # seconds after the start of the run
     kind: str = ""  # "short" or "long" in the mixed workload of `bench compare`
+    tenant: str = "default"  # who sent it, for the fair policy
 
     @property
     def prompt_len(self) -> int:
