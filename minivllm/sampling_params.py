@@ -29,6 +29,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.top_k == 0:
             self.top_k = -1
+        # Type errors first, so that a wrong type gets a ValueError naming the field, not a TypeError.
+        if not isinstance(self.stop, (str, list, tuple, type(None))):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self._stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()

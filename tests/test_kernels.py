@@ -22,7 +22,7 @@ def reference(q, k_cache, v_cache, tables, context_lens, scale):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 1)])
 def test_kernel_matches_sdpa(dtype, tol, heads, kv_heads, head_dim, block_size):
-    kernel = decode_attention_kernel(torch.device("cpu"), dtype)
+    kernel = decode_attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads)
     if kernel is None:
         pytest.skip("no C compiler: the torch path is used")
     gen = torch.Generator().manual_seed(0)

@@ -19,7 +19,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Linked without -ffast-math: GCC 12 would otherwise add crtfastmath, which flushes denormals to zero
+# for the whole process (torch included) as soon as the library loads.
+LINK_FLAGS = ["-shared", "-fopenmp"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -32,16 +35,17 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(source + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minivllm"
     lib_path = cache / f"paged_attention-{tag}.so"
     try:
         if not lib_path.exists():
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then move: atomic
-                built = Path(tmp) / lib_path.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
-                               capture_output=True, text=True)
+                obj, built = Path(tmp) / "paged_attention.o", Path(tmp) / lib_path.name
+                for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                            [compiler, *LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
+                    subprocess.run(cmd, check=True, capture_output=True, text=True)
                 built.replace(lib_path)
         lib = ctypes.CDLL(str(lib_path))
     except (OSError, subprocess.CalledProcessError) as e:
@@ -55,11 +59,12 @@ def _library() -> ctypes.CDLL | None:
 
 
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+MAX_HEAD_DIM, MAX_GROUP = 256, 16  # the C file's stack buffers
 
 
-def decode_attention_kernel(device: torch.device, dtype: torch.dtype):
-    """The native decode-attention function for this device and dtype, or None."""
-    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX:
+def decode_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int):
+    """The native decode-attention function for this device, dtype and head shape, or None."""
+    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX or head_dim > MAX_HEAD_DIM or group > MAX_GROUP:
         return None
     lib = _library()
     return None if lib is None else getattr(lib, f"paged_decode_attention_{_DTYPE_SUFFIX[dtype]}")

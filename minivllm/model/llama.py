@@ -45,6 +45,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
                                torch.where(wavelen < old_len / high, inv_freq, blended))
+    elif kind == "freq_factors":  # a GGUF's rope_freqs: the same scaling, precomputed per frequency
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq

@@ -163,6 +163,11 @@ def _gguf_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch
     rope_scaling = None
     if meta("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-frequency divisors, not as metadata.
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type)
+        rope_scaling = {"rope_type": "freq_factors", "factors": factors.reshape(-1).tolist()}
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     config = ModelConfig(
         architecture=arch,
@@ -197,7 +202,7 @@ def _gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
         elif base in _GGUF_NAMES:
             hf = f"{_GGUF_NAMES[base]}.{suffix}"
         else:
-            continue  # e.g. rope_freqs: recomputed from the config
+            continue  # e.g. rope_freqs: read into the config's rope_scaling
         data = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
         data = np.ascontiguousarray(data, dtype=np.float32)
         # Unquantized tensors come back as read-only views of the memory-mapped file.

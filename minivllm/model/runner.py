@@ -25,7 +25,8 @@ class ModelRunner:
         self.device = device
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.decode_kernel = decode_attention_kernel(device, dtype)
+        self.decode_kernel = decode_attention_kernel(device, dtype, cfg.head_dim,
+                                                     cfg.num_attention_heads // cfg.num_key_value_heads)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_hidden_layers)]
