@@ -5,7 +5,7 @@ Nothing heavy is imported at module level: the scheduler's tests run without tor
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ def _default_llm() -> Any:
 
 @pytest.fixture(scope="session")
 def _small_kv_llm() -> Any:
-    # 24 blocks of 16 tokens: the long prompt alone needs 18, so concurrent requests must preempt.
+    # 24 blocks of 16 tokens: the long prompt and its output need 15, so concurrent requests must preempt.
     return _load(num_kv_blocks=24, max_model_len=320)
 
 
@@ -82,22 +82,11 @@ def hf_model(default_model_path: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(hf_model: Any) -> Callable[[list[int], int], list[int]]:
-    """HF `generate`'s greedy continuation of a tokenized prompt, computed once per prompt."""
-    import torch
+def hf_greedy(hf_model: Any) -> Any:
+    """HF `generate`'s greedy continuations of tokenized prompts, each computed once per session."""
+    from tests.helpers import HFGreedy
 
-    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def reference(prompt_ids: list[int], num_tokens: int) -> list[int]:
-        key = (tuple(prompt_ids), num_tokens)
-        if key not in cache:
-            ids = torch.tensor([prompt_ids])
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=num_tokens, min_new_tokens=num_tokens)
-            cache[key] = out[0, len(prompt_ids):].tolist()
-        return cache[key]
-
-    return reference
+    return HFGreedy(hf_model)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,10 @@
 """Helpers shared by the tests that run the real model (fixtures live in conftest.py)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from minivllm.sampling_params import SamplingParams
 
@@ -39,6 +42,44 @@ EQUALITY_PROMPTS = [
 def greedy(num_tokens: int = NEW_TOKENS, **kwargs: Any) -> SamplingParams:
     """Greedy with exactly `num_tokens` new tokens, as HF's `min_new_tokens = max_new_tokens` does."""
     return SamplingParams(temperature=0, max_tokens=num_tokens, min_tokens=num_tokens, ignore_eos=True, **kwargs)
+
+
+class HFGreedy:
+    """HF `generate`'s greedy continuations (`min_new_tokens = max_new_tokens`), each computed once.
+    Prompts not seen before that are asked for together run as one left-padded batch: decoding is
+    memory-bound, so a batch costs about what one prompt costs."""
+
+    def __init__(self, hf_model: Any) -> None:
+        self.model = hf_model
+        self.cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def __call__(self, prompt_ids: list[int], num_tokens: int) -> list[int]:
+        return self.many([prompt_ids], num_tokens)[0]
+
+    def many(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+        import torch
+
+        new = list(dict.fromkeys(tuple(p) for p in prompts if (tuple(p), num_tokens) not in self.cache))
+        if new:
+            width = max(map(len, new))
+            pad = self.model.generation_config.pad_token_id
+            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in new])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in new])
+            out = self.model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
+                                      max_new_tokens=num_tokens, min_new_tokens=num_tokens)
+            for p, row in zip(new, out[:, width:].tolist()):
+                self.cache[(p, num_tokens)] = row
+        return [self.cache[(tuple(p), num_tokens)] for p in prompts]
+
+
+def assert_match_hf(outputs: list[RequestOutput], hf_greedy: HFGreedy) -> None:
+    """Each output is HF's greedy continuation of its prompt, token for token."""
+    references = hf_greedy.many([o.prompt_token_ids for o in outputs], NEW_TOKENS)
+    for out, reference in zip(outputs, references):
+        ours = out.outputs[0].token_ids
+        assert ours == reference, f"prompt {out.prompt!r:.40}: " + mismatch_report(
+            hf_greedy.model, out.prompt_token_ids, ours, reference)
+        assert out.outputs[0].finish_reason == "length"
 
 
 def assert_idle(engine: LLMEngine) -> None:
@@ -79,3 +120,98 @@ def mismatch_report(hf_model: Any, prompt_ids: list[int], ours: list[int], refer
     gap = (logits[reference[i]] - logits[ours[i]]).item()
     return (f"first difference at output token {i}: ours {ours[i]}, reference {reference[i]}; "
             f"reference logit gap {gap:.3g} (ours {ours[:i + 1]}, reference {reference[:i + 1]})")
+
+
+# -- tiny GGUF checkpoints -------------------------------------------------------------------------
+TINY_HIDDEN, TINY_HEADS, TINY_KV_HEADS, TINY_VOCAB = 256, 4, 2, 32  # rows 256 wide: the K-quants' block
+
+
+def tiny_head_dim(arch: str) -> int:
+    # transformers reads no head_dim from a qwen3 GGUF and assumes Qwen3's 128; elsewhere hidden / heads.
+    return 128 if arch == "qwen3" else TINY_HIDDEN // TINY_HEADS
+
+
+def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: int = 0,
+                    rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Write a one-layer model of architecture `arch` with every matrix stored as `qtype` (vectors
+    stay F32), laid out as llama.cpp's converter does: Llama's Q/K rows permuted for its RoPE, and
+    Llama 3's RoPE scaling, if any, as the `rope_freqs` tensor of per-frequency divisors.
+    Returns the weights the file encodes, under Hugging Face names and in HF layout."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    kind = gguf.GGMLQuantizationType[qtype]
+    h, head_dim = TINY_HIDDEN, tiny_head_dim(arch)
+    q, kv = TINY_HEADS * head_dim, TINY_KV_HEADS * head_dim
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", 1), ("context_length", 256), ("embedding_length", h),
+                       ("feed_forward_length", h), ("attention.head_count", TINY_HEADS),
+                       ("attention.head_count_kv", TINY_KV_HEADS), ("attention.key_length", head_dim),
+                       ("attention.value_length", head_dim), ("rope.dimension_count", head_dim),
+                       ("vocab_size", TINY_VOCAB)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+
+    layer = "model.layers.0"
+    matrices = {  # GGUF name -> (HF name, rows, columns)
+        "token_embd": ("model.embed_tokens", TINY_VOCAB, h), "output": ("lm_head", TINY_VOCAB, h),
+        "blk.0.attn_q": (f"{layer}.self_attn.q_proj", q, h), "blk.0.attn_k": (f"{layer}.self_attn.k_proj", kv, h),
+        "blk.0.attn_v": (f"{layer}.self_attn.v_proj", kv, h), "blk.0.attn_output": (f"{layer}.self_attn.o_proj", h, q),
+        "blk.0.ffn_gate": (f"{layer}.mlp.gate_proj", h, h), "blk.0.ffn_up": (f"{layer}.mlp.up_proj", h, h),
+        "blk.0.ffn_down": (f"{layer}.mlp.down_proj", h, h),
+    }
+    encoded: dict[str, np.ndarray] = {}
+    for name, (hf_name, rows, cols) in matrices.items():
+        data = _encode(rng, rows, cols, kind)
+        encoded[f"{hf_name}.weight"] = gguf.quants.dequantize(data, kind)
+        if arch == "llama" and name in ("blk.0.attn_q", "blk.0.attn_k"):
+            data = _permute_rows(data, TINY_HEADS if name.endswith("q") else TINY_KV_HEADS)
+        writer.add_tensor(f"{name}.weight", data, raw_dtype=kind)
+    vectors = {"output_norm.weight": ("model.norm.weight", h),
+               "blk.0.attn_norm.weight": (f"{layer}.input_layernorm.weight", h),
+               "blk.0.ffn_norm.weight": (f"{layer}.post_attention_layernorm.weight", h)}
+    if arch == "qwen2":  # q/k/v biases
+        for part, size in (("q", q), ("k", kv), ("v", kv)):
+            vectors[f"blk.0.attn_{part}.bias"] = (f"{layer}.self_attn.{part}_proj.bias", size)
+    if arch == "qwen3":  # per-head q/k norms
+        for part in ("q", "k"):
+            vectors[f"blk.0.attn_{part}_norm.weight"] = (f"{layer}.self_attn.{part}_norm.weight", head_dim)
+    for name, (hf_name, size) in vectors.items():
+        encoded[hf_name] = (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+        writer.add_tensor(name, encoded[hf_name])
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return encoded
+
+
+def _encode(rng: np.random.Generator, rows: int, cols: int, kind: Any) -> np.ndarray:
+    """Random weights in `kind`'s storage: quantized by the gguf package where it can, else (the
+    K-quants, which it only reads) random valid blocks with finite, small scales."""
+    import gguf
+
+    weights = (0.05 * rng.standard_normal((rows, cols))).astype(np.float32)
+    try:
+        return gguf.quants.quantize(weights, kind)
+    except NotImplementedError:
+        block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
+        blocks = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
+        scale = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
+        if kind.name == "Q4_K":  # d and dmin lead the block
+            blocks[..., 0:2] = blocks[..., 2:4] = scale
+        elif kind.name == "Q6_K":  # d ends the block
+            blocks[..., -2:] = scale
+        else:
+            raise
+        return blocks.reshape(rows, -1)
+
+
+def _permute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order: within each head, the two RoPE halves interleaved. Rows are
+    quantized independently, so this works on quantized storage too."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -110,10 +110,15 @@ def test_freed_cached_blocks_are_revived() -> None:
     bm.free(a)
     assert bm.num_free_blocks == 6
 
+    # Reviving a free cached block takes it out of the free queue: 2 revived + 5 new > 6 free.
+    longer = make_seq(list(range(8)) + [0] * 17, "longer")
+    assert bm.match_prefix(longer) == full_blocks
+    assert not bm.can_allocate(longer, 17, full_blocks)
+
     again = make_seq(list(range(9)), "again")
     hits = start(bm, again)
     assert hits == full_blocks
-    assert bm.num_free_blocks == 3  # the two revived blocks left the free queue too
+    assert bm.num_free_blocks == 3
     bm.check_invariants([again])
 
 
@@ -131,10 +136,12 @@ def test_lru_evicts_the_least_recently_freed_and_a_continuation_before_its_prefi
     start(bm, make_seq([3] * 9, "z"))
     assert len(bm.match_prefix(make_seq([1] * 9, "x2"))) == 1
     assert len(bm.match_prefix(make_seq([2] * 5, "y2"))) == 1
+    assert len(bm.cached) == 4  # x's first block, y's, and z's two: the evicted one is forgotten
     # One more: x's prefix goes before y's block, which was freed later.
     start(bm, make_seq([4, 4], "v"))
     assert bm.match_prefix(make_seq([1] * 9, "x3")) == []
     assert len(bm.match_prefix(make_seq([2] * 5, "y3"))) == 1
+    assert len(bm.cached) == 3
 
 
 def test_prefix_caching_disabled_shares_nothing() -> None:
@@ -150,10 +157,11 @@ BASE = [7, 3, 7, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # shared prefixes make the
 
 prompts = st.builds(lambda k, tail: BASE[:k] + tail, st.integers(0, len(BASE)),
                     st.lists(st.integers(0, 3), max_size=6)).filter(bool)
+# Mostly steps, so that prompts get computed, cached, finished and matched again.
 ops = st.lists(st.one_of(st.tuples(st.just("add"), prompts),
-                         st.tuples(st.sampled_from(["step", "finish", "preempt"]), st.integers(0, 99),
+                         st.tuples(st.sampled_from(["step"] * 6 + ["finish", "preempt"]), st.integers(0, 99),
                                    st.integers(1, 12))),
-               max_size=80)
+               min_size=10, max_size=80)
 
 
 class Workload:
