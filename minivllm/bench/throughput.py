@@ -2,6 +2,7 @@
 minivllm or (`--backend hf`) through Hugging Face transformers `generate` in static batches."""
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ class ThroughputResult:
     elapsed: float  # seconds, from the first request submitted to the last finished
     total_input_tokens: int
     total_output_tokens: int
+    peak_rss_gib: float  # the process's peak resident memory, weights and KV pool included
+    step_time_shares: dict[str, float] | None = None  # minivllm only: share of step time per phase
 
     @property
     def requests_per_s(self) -> float:
@@ -50,7 +53,13 @@ class ThroughputResult:
                 f"{self.total_tokens_per_s:.1f} total tokens/s, {self.input_tokens_per_s:.1f} input tokens/s, "
                 f"{self.output_tokens_per_s:.1f} output tokens/s\n"
                 f"{self.num_requests} requests, {self.total_input_tokens} input + {self.total_output_tokens} "
-                f"output tokens in {self.elapsed:.2f} s")
+                f"output tokens in {self.elapsed:.2f} s; peak RSS {self.peak_rss_gib:.2f} GiB"
+                + ("" if not self.step_time_shares else "\nStep time: " + ", ".join(
+                    f"{k} {v:.1%}" for k, v in self.step_time_shares.items())))
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kilobytes on Linux
 
 
 def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True
@@ -58,12 +67,15 @@ def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True
     llm = LLM(**vars(config))
     requests = build_workload(spec, llm.engine.tokenizer, np.random.default_rng(spec["seed"]))
     warm_up(llm.engine)
+    llm.engine.step_time = dict.fromkeys(llm.engine.step_time, 0.0)  # measure the workload alone
+    llm.engine.runner.prepare_time = 0.0
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
                         [r.sampling_params() for r in requests], use_tqdm=show_progress)
     elapsed = time.perf_counter() - start
     result = ThroughputResult("minivllm", len(outs), elapsed, sum(len(o.prompt_token_ids) for o in outs),
-                              sum(len(o.outputs[0].token_ids) for o in outs))
+                              sum(len(o.outputs[0].token_ids) for o in outs), peak_rss_gib(),
+                              llm.engine.step_time_breakdown())
     return result, requests, llm.engine.model_config
 
 
@@ -83,4 +95,5 @@ def run_hf(config: EngineConfig, spec: dict, batch_size: int, tokenizer: Tokeniz
         bar.update(len(run.requests))
     elapsed = time.perf_counter() - start
     bar.close()
-    return ThroughputResult("hf", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens), requests
+    return ThroughputResult("hf", len(requests), elapsed, sum(r.prompt_len for r in requests), output_tokens,
+                            peak_rss_gib()), requests

@@ -63,6 +63,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.start_time = time.perf_counter()
         self.tracer = StepTracer(config.trace_file, self.start_time) if config.trace_file else None
+        # Seconds spent in each phase of step(); the runner splits "model" into input preparation
+        # and the forward pass (runner.prepare_time).
+        self.step_time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "update": 0.0}
         self.stats = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "padding_tokens": 0,
                       "finished_requests": 0}
 
@@ -140,15 +143,22 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
+        t_scheduled = time.perf_counter()
         sampling = [s for s, n in sched.scheduled if will_sample(s, n)]
         logits = self.runner.execute(sched)
+        t_forward = time.perf_counter()
         sampled = self.sampler(logits, sampling) if sampling else None
+        t_sampled = time.perf_counter()
         self.scheduler.on_step_done(sched)
-        now = time.perf_counter()
         for i, seq in enumerate(sampling):
-            self._append(seq, sampled.token_ids[i], sampled.logprobs[i], now)
+            self._append(seq, sampled.token_ids[i], sampled.logprobs[i], t_sampled)
         self._count(sched, t_start, [s for s in sampling if s.is_finished])
         outputs.extend(self._make_output(s) for s in sampling)
+        times = self.step_time
+        times["schedule"] += t_scheduled - t_start
+        times["model"] += t_forward - t_scheduled
+        times["sample"] += t_sampled - t_forward
+        times["update"] += time.perf_counter() - t_sampled
         return outputs
 
     def _count(self, sched: SchedulerOutput, t_start: float, finished: list[Sequence]) -> None:
@@ -231,6 +241,14 @@ class LLMEngine:
             self.tracer = None
 
     # -- introspection ----------------------------------------------------------------------------------
+    def step_time_breakdown(self) -> dict[str, float]:
+        """Share of step time per phase: schedule, prepare (inputs), forward, sample, update."""
+        t = dict(self.step_time)
+        t["prepare"] = self.runner.prepare_time
+        t["forward"] = t.pop("model") - t["prepare"]
+        total = sum(t.values()) or 1.0
+        return {k: v / total for k, v in t.items()}
+
     def get_stats(self) -> dict[str, Any]:
         bm = self.block_manager
         return {**self.stats,

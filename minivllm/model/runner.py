@@ -2,6 +2,8 @@
 the sequences that sample this step."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from minivllm.engine.scheduler import SchedulerOutput, will_sample
@@ -23,6 +25,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.prepare_time = 0.0  # seconds spent building inputs, for the engine's step breakdown
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.decode_kernel = decode_attention_kernel(device, dtype, cfg.head_dim,
@@ -34,7 +37,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [num_sampling, vocab] (float32), in the order of `output.scheduled`."""
+        start = time.perf_counter()
         input_ids, positions, meta, sample_idx = self._prepare(output)
+        self.prepare_time += time.perf_counter() - start
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden[sample_idx])
 

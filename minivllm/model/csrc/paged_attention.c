@@ -30,7 +30,7 @@ static inline uint16_t float_to_bf16(float f) {
 #define MAX_GROUP 16
 
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \
-static void NAME##_task(const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t ctx, \
+static inline __attribute__((always_inline)) void NAME##_task(const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t ctx, \
                         int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,          \
                         float scale, T *out, float *scores) {                                               \
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];                    \
@@ -78,9 +78,19 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_t
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                    \
             float *scores = malloc(sizeof(float) * group * context_lens[s]);                               \
             const int64_t head0 = (s * num_heads + kh * group) * head_dim;                                 \
-            NAME##_task(q + head0, k_cache + kh * head_dim, v_cache + kh * head_dim,                       \
-                        block_tables + s * max_blocks, context_lens[s], group, head_dim, block_size,        \
-                        token_stride, scale, out + head0, scores);                                         \
+            /* Literal head sizes let the compiler unroll the inner loops completely. */                 \
+            if (head_dim == 64)                                                                            \
+                NAME##_task(q + head0, k_cache + kh * head_dim, v_cache + kh * head_dim,                   \
+                            block_tables + s * max_blocks, context_lens[s], group, 64, block_size,          \
+                            token_stride, scale, out + head0, scores);                                     \
+            else if (head_dim == 128)                                                                      \
+                NAME##_task(q + head0, k_cache + kh * head_dim, v_cache + kh * head_dim,                   \
+                            block_tables + s * max_blocks, context_lens[s], group, 128, block_size,         \
+                            token_stride, scale, out + head0, scores);                                     \
+            else                                                                                           \
+                NAME##_task(q + head0, k_cache + kh * head_dim, v_cache + kh * head_dim,                   \
+                            block_tables + s * max_blocks, context_lens[s], group, head_dim, block_size,    \
+                            token_stride, scale, out + head0, scores);                                     \
             free(scores);                                                                                  \
         }                                                                                                  \
 }
