@@ -337,12 +337,16 @@ def test_scheduling_scenarios_show_chunked_steps_and_fair_rows(tmp_path):
     base = EngineConfig(dtype="float32", num_kv_blocks=128)
     corpus = TextCorpus(load_tokenizer(None)[0])
     rows = run_chunked_prefill(base, corpus, 0, 64, str(tmp_path), False, long_len=256, num_streams=2)
-    traces = [list(csv.DictReader(open(tmp_path / f"chunked-prefill-{i}.csv"))) for i in range(2)]
-    chunked, whole = ([{k: int(float(v)) for k, v in r.items()} for r in t] for t in traces)
+    traces = [list(csv.DictReader(open(tmp_path / f"chunked-prefill-{i}.csv"))) for i in range(3)]
+    chunked, capped, whole = ([{k: int(float(v)) for k, v in r.items()} for r in t] for t in traces)
     assert all(r["num_scheduled_tokens"] <= 64 for r in chunked)
     assert any(r["num_prefill_tokens"] >= 32 and r["num_decode_tokens"] > 0 for r in chunked)
+    events = json.loads((tmp_path / "chunked-prefill-1.json").read_text())["traceEvents"]
+    long_tid = next(e["tid"] for e in events if e["ph"] == "M" and e["args"]["name"] == "request long")
+    long_chunks = [int(e["name"].split()[1]) for e in events if e["tid"] == long_tid and e["name"].startswith("prefill")]
+    assert sum(long_chunks) == 256 and max(long_chunks) == 32, "the long prompt's chunks are capped"
     assert any(r["num_prefill_tokens"] >= 256 for r in whole), "the whole prompt in one step"
-    assert [r.group for r in rows] == ["short", "stream", "short", "stream"]
+    assert [r.group for r in rows] == ["short", "stream"] * 3
     fair_rows = run_fair(base, corpus, 0, str(tmp_path), False, num_light=2)
     assert [(r.name.split(",")[0], r.group) for r in fair_rows] == [
         ("fair", "light"), ("fair", "light"), ("fair", "heavy"), ("fcfs", "light"), ("fcfs", "heavy")]

@@ -27,6 +27,7 @@ class ThroughputResult:
     total_output_tokens: int
     peak_rss_gib: float  # the process's peak resident memory, weights and KV pool included
     step_time_shares: dict[str, float] | None = None  # minivllm only: share of step time per phase
+    mean_ttft_ms: float | None = None  # minivllm only: all requests arrive at once, so queueing counts
 
     @property
     def requests_per_s(self) -> float:
@@ -54,6 +55,7 @@ class ThroughputResult:
                 f"{self.output_tokens_per_s:.1f} output tokens/s\n"
                 f"{self.num_requests} requests, {self.total_input_tokens} input + {self.total_output_tokens} "
                 f"output tokens in {self.elapsed:.2f} s; peak RSS {self.peak_rss_gib:.2f} GiB"
+                + ("" if self.mean_ttft_ms is None else f"; mean TTFT {self.mean_ttft_ms:.0f} ms")
                 + ("" if not self.step_time_shares else "\nStep time: " + ", ".join(
                     f"{k} {v:.1%}" for k, v in self.step_time_shares.items())))
 
@@ -75,7 +77,7 @@ def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True
     elapsed = time.perf_counter() - start
     result = ThroughputResult("minivllm", len(outs), elapsed, sum(len(o.prompt_token_ids) for o in outs),
                               sum(len(o.outputs[0].token_ids) for o in outs), peak_rss_gib(),
-                              llm.engine.step_time_breakdown())
+                              llm.engine.step_time_breakdown(), 1000 * float(np.mean([o.metrics.ttft for o in outs])))
     return result, requests, llm.engine.model_config
 
 
