@@ -18,7 +18,8 @@ from minivllm.bench.metrics import Distribution
 from minivllm.bench.workloads import BenchRequest, TextCorpus, arrival_offsets
 from minivllm.config import EngineConfig
 
-PERCENTILES = (50, 90, 99, 100)  # 100: the maximum
+PERCENTILES = (50, 90, 99, 100)
+FAIR_MAX_SEQS = 16  # 100: the maximum
 
 
 @dataclass
@@ -93,7 +94,8 @@ def run_fair(base: EngineConfig, corpus: TextCorpus, seed: int, out_dir: str, pr
             if policy == "fcfs" and not with_heavy:
                 continue  # alone, every policy is the same
             requests = fair_workload(corpus, np.random.default_rng(seed), with_heavy, num_light)
-            config = replace(base, scheduling_policy=policy)
+            # Few slots, so that the flood waits in the queue that the policy orders.
+            config = replace(base, scheduling_policy=policy, max_num_seqs=min(base.max_num_seqs, FAIR_MAX_SEQS))
             name = f"{policy}, light {'beside 10x heavy' if with_heavy else 'alone'}"
             run = run_engine(config, requests, f"{out_dir}/fair-{policy}-{int(with_heavy)}.csv", progress)
             rows += _rows(name, run, {"light": "ttft", "heavy": "ttft"} if with_heavy else {"light": "ttft"})
