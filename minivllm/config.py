@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,11 +23,9 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
-def _flag(help: str, default: Any = MISSING, choices: tuple | None = None, **kw: Any) -> Any:
-    meta = {"help": help, "choices": choices}
-    if "default_factory" in kw:
-        return field(default_factory=kw["default_factory"], metadata=meta)
-    return field(default=default, metadata=meta)
+def _flag(help: str, default: Any, choices: tuple | None = None) -> Any:
+    """A config field that is also a CLI flag: its help text and choices live with it."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass

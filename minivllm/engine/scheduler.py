@@ -77,9 +77,6 @@ class SchedulerBase:
         self.waiting.append(seq)
         self.policy.on_add(seq)
 
-    def find(self, request_id: str) -> Sequence | None:
-        return next((s for s in (*self.running, *self.waiting) if s.request_id == request_id), None)
-
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` in any state, freeing its blocks. Finishing twice is a no-op."""
         if seq.is_finished:
