@@ -43,9 +43,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden[sample_idx])
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+    def _slot(self, seq: Sequence, position: int) -> int:
+        """Where the K/V of `seq`'s token at `position` lives in the flattened pool."""
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _prepare(self, output: SchedulerOutput):
         # Decodes first (one batched attention call), then prefill chunks, then padding.
@@ -60,14 +60,14 @@ class ModelRunner:
             where[id(seq)] = len(ids)
             ids.append(seq.token_ids[p])
             pos.append(p)
-            slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
+            slots.append(self._slot(seq, p))
         spans = []
         for seq, n in prefills:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             spans.append(self._prefill_span(seq, len(ids), start, end))
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
-            slots.extend(self._slots(seq, start, end))
+            slots.extend(self._slot(seq, p) for p in range(start, end))
             where[id(seq)] = len(ids) - 1
         ids.extend([0] * output.num_padding_tokens)
         pos.extend([0] * output.num_padding_tokens)
