@@ -1,7 +1,11 @@
 """Attention over the paged KV cache.
 
+Pool layout, one pair per layer: k_cache [blocks, kv_heads, head_dim, block_size] (each head's keys
+transposed, so that the CPU kernel scores a block with vector FMAs) and v_cache [blocks, kv_heads,
+block_size, head_dim]. `kv_cache_shapes` is the one place that says so.
+
 The runner packs a step's tokens as [decode tokens | prefill tokens | padding]. Each layer first
-writes the new K/V into the cache through `slot_mapping`, then attends: all decodes together in one
+writes the new K/V into its cache slots (block, offset), then attends: all decodes together in one
 call reading their blocks through `decode_block_tables` (in place with the native CPU kernel, else
 gathered for torch's scaled_dot_product_attention), then each prefill chunk on its own
 (a fresh prompt attends to its own K/V directly; a later chunk reads its context from the cache).
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from minivllm.model.kernels import paged_decode_attention
+from minivllm.model.kernels import LayerOps, paged_decode_attention
 
 
 @dataclass
@@ -27,9 +31,15 @@ class PrefillSpan:
     mask: torch.Tensor | None = None  # [num_tokens, context_len] causal mask offset by the cached part
 
 
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
+    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_real_tokens]: cache slot of each new token's K/V
+    # Where each new token's K/V goes: slot = block * block_size + offset, as (block, offset) pairs.
+    slot_blocks: torch.Tensor  # [num_real_tokens]
+    slot_offsets: torch.Tensor  # [num_real_tokens]
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
@@ -40,18 +50,20 @@ class AttentionMetadata:
 
     @property
     def num_real_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
+        return self.slot_blocks.shape[0]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads,
-    head_dim]. Returns [T, heads, head_dim]."""
+                    meta: AttentionMetadata, scale: float, ops: LayerOps | None = None) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches as `kv_cache_shapes`.
+    Returns [T, heads, head_dim]. `ops`: the native CPU ops, for the cache write."""
     n = meta.num_real_tokens
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k[:n])
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[:n])
+    if ops is not None:
+        ops.write_kv(k, v, meta.slot_blocks, meta.slot_offsets, k_cache, v_cache)
+    else:
+        k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k[:n]
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v[:n]
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
 
     d = meta.num_decodes
@@ -59,8 +71,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:d] = paged_decode_attention(meta.decode_kernel, q[:d].contiguous(), k_cache, v_cache,
                                          meta.decode_block_tables, meta.decode_context_lens, scale)
     elif d:
-        keys = _gather(k_cache, meta.decode_block_tables)  # [d, kv_heads, ctx, head_dim]
-        values = _gather(v_cache, meta.decode_block_tables)
+        keys, values = _gather(k_cache, v_cache, meta.decode_block_tables)  # [d, kv_heads, ctx, head_dim]
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=True)
         out[:d] = o.squeeze(2)
@@ -72,15 +83,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             keys = k[p.start:end].transpose(0, 1).unsqueeze(0)
             values = v[p.start:end].transpose(0, 1).unsqueeze(0)
         else:
-            keys = _gather(k_cache, p.block_table[None])[:, :, :p.context_len]
-            values = _gather(v_cache, p.block_table[None])[:, :, :p.context_len]
+            keys, values = _gather(k_cache, v_cache, p.block_table[None], p.context_len)
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, is_causal=p.mask is None,
                                            scale=scale, enable_gqa=True)
         out[p.start:end] = o[0].transpose(0, 1)
     return out
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[batch, max_blocks] block ids -> [batch, kv_heads, max_blocks * block_size, head_dim]."""
-    blocks = cache[block_tables]  # [batch, max_blocks, block_size, kv_heads, head_dim]
-    return blocks.flatten(1, 2).transpose(1, 2)
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, max_blocks] block ids -> keys and values, each [batch, kv_heads, tokens, head_dim]."""
+    keys = k_cache[block_tables].permute(0, 2, 1, 4, 3).flatten(2, 3)  # from [b, blocks, kvh, hd, bs]
+    values = v_cache[block_tables].transpose(1, 2).flatten(2, 3)  # from [b, blocks, kvh, bs, hd]
+    return keys[:, :, :length], values[:, :, :length]

@@ -14,16 +14,43 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.attention import AttentionMetadata, paged_attention
+from minivllm.model.kernels import LayerOps, SMALL_LINEAR_ROWS, layer_ops, small_linear, small_linear_kernel
 from minivllm.model.loader import ModelConfig
 
 
+class Linear(nn.Linear):
+    """nn.Linear that hands bf16 products of a few rows (decode steps of small batches) to the
+    native CPU kernel, which streams the weights at close to the read bandwidth (kernels.py)."""
+
+    small_kernel = None  # set by LlamaForCausalLM.from_weights where the kernel applies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_kernel is not None and x.shape[0] <= SMALL_LINEAR_ROWS:
+            out = small_linear(self.small_kernel, x, self.weight)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
+    ops: LayerOps | None = None  # the fused native op, set by LlamaForCausalLM.use_native_kernels
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x). With the residual stream `residual`: first residual += x in place (x is None at
+        the first layer), then RMSNorm(residual): one pass where vLLM fuses the same two steps."""
+        if residual is None:
+            return self._norm(x)
+        if self.ops is not None:
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if x is not None:
+            residual += x
+        return self._norm(residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # In float32 whatever the model dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -53,19 +80,22 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """cos/sin of each position's angles, computed once per forward (no table to size)."""
+    """cos/sin of each position's angles, float32 [tokens, head_dim / 2], computed once per forward
+    (no table to size)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1 (heads), head_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return freqs.cos(), freqs.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim]; the NeoX rotation of the two halves, in x's dtype as in HF."""
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(x.dtype)
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -75,6 +105,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    ops: LayerOps | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -82,8 +114,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -96,19 +128,27 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if self.ops is not None:
+            self.ops.rotary_(q, k, *rope)
+        else:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.ops)
         return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
+    ops: LayerOps | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -120,10 +160,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, delta: torch.Tensor | None, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """`residual` is the residual stream, updated in place; `delta` is the previous layer's MLP
+        output, not yet added to it (None at the first layer). Returns this layer's MLP output."""
+        x = self.self_attn(self.input_layernorm(delta, residual), rope, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(x, residual))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,16 +175,17 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        residual = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            delta = layer(delta, residual, rope, kv_cache, meta)
+        return self.norm(delta, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -156,7 +199,21 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config)
         model.rotary = Rotary(config)  # computed, not loaded: build it for real
         model._assign(weights, dtype)
-        return model.to(device).eval()
+        model = model.to(device).eval()
+        model.use_native_kernels(True)
+        return model
+
+    def use_native_kernels(self, enabled: bool) -> None:
+        """Route the layers' small ops and few-row GEMMs to the native CPU kernels (kernels.py) where
+        they exist for this device and dtype; with False, everything runs as plain torch."""
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        ops = layer_ops(device, dtype) if enabled else None
+        gemv = small_linear_kernel(device, dtype) if enabled else None
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.small_kernel = gemv if module.in_features % 32 == 0 else None  # its vector width
+            elif isinstance(module, (RMSNorm, Attention, MLP)):
+                module.ops = ops
 
     def _assign(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
         """Load tensors named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""

@@ -8,7 +8,7 @@ import torch
 
 from minivllm.engine.scheduler import SchedulerOutput, will_sample
 from minivllm.engine.sequence import Sequence
-from minivllm.model.attention import AttentionMetadata, PrefillSpan
+from minivllm.model.attention import AttentionMetadata, PrefillSpan, kv_cache_shapes
 from minivllm.model.kernels import decode_attention_kernel
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig
@@ -27,11 +27,11 @@ class ModelRunner:
         self.device = device
         self.prepare_time = 0.0  # seconds spent building inputs, for the engine's step breakdown
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.decode_kernel = decode_attention_kernel(device, dtype, cfg.head_dim,
-                                                     cfg.num_attention_heads // cfg.num_key_value_heads)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+                                                     cfg.num_attention_heads // cfg.num_key_value_heads, block_size)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=dtype, device=device),
+                           torch.zeros(v_shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_hidden_layers)]
 
     @torch.inference_mode()
@@ -43,9 +43,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden[sample_idx])
 
-    def _slot(self, seq: Sequence, position: int) -> int:
-        """Where the K/V of `seq`'s token at `position` lives in the flattened pool."""
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+    def _slot(self, seq: Sequence, position: int) -> tuple[int, int]:
+        """Where the K/V of `seq`'s token at `position` lives in the pool: (block, offset in it)."""
+        return seq.block_table[position // self.block_size], position % self.block_size
 
     def _prepare(self, output: SchedulerOutput):
         # Decodes first (one batched attention call), then prefill chunks, then padding.
@@ -53,7 +53,7 @@ class ModelRunner:
         prefills = [(s, n) for s, n in output.scheduled if n > 1]
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slots: list[tuple[int, int]] = []
         where: dict[int, int] = {}  # id(seq) -> index of its last token in the packed batch
         for seq, _ in decodes:
             p = seq.num_computed_tokens
@@ -73,7 +73,8 @@ class ModelRunner:
         pos.extend([0] * output.num_padding_tokens)
 
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+        slot_blocks, slot_offsets = torch.tensor(slots, dtype=torch.long, device=dev).view(-1, 2).T.contiguous()
+        meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets,
                                  num_decodes=len(decodes), prefills=spans, decode_kernel=self.decode_kernel)
         if decodes:
             max_blocks = max(len(s.block_table) for s, _ in decodes)

@@ -1,0 +1,102 @@
+/* The small per-layer ops of the decoder, fused: one pass each instead of a chain of torch ops.
+ *
+ * At a few tokens per step each torch op costs more in dispatch than in arithmetic, and a decoder
+ * layer has dozens of them. Each kernel here does one layer's worth in one call:
+ *   add_rms_norm   residual += delta (if any); out = RMSNorm(residual) * weight
+ *   rotary         rotate q and k in place (NeoX halves), from float32 cos/sin tables
+ *   write_kv       copy the new tokens' K and V into their pool slots (layout: attention.py)
+ *   silu_and_mul   out = silu(gate) * up, from the fused gate_up output
+ * Intermediate results are rounded to the model's dtype exactly where the torch code rounds them
+ * (ROUND), so that the native and torch paths give the same numbers up to the order of sums.
+ * Rows are split across OpenMP threads only when there are enough of them to pay for the fork.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_ROWS 16  /* fewer rows than this run on the calling thread */
+
+static inline float ops_bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t ops_float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float ops_f32_load(float x) { return x; }
+static inline float ops_f32_store(float x) { return x; }
+
+#define DEFINE_OPS(S, T, LOAD, STORE)                                                                      \
+static inline float round_##S(float x) { return LOAD(STORE(x)); }                                          \
+                                                                                                           \
+void add_rms_norm_##S(const T *delta, T *residual, const T *weight, T *out, int64_t tokens, int64_t hidden, \
+                      float eps) {                                                                         \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++) {                                                                 \
+        T *res = residual + t * hidden;                                                                    \
+        float sum = 0.f;                                                                                   \
+        if (delta) {                                                                                       \
+            const T *dl = delta + t * hidden;                                                              \
+            for (int64_t i = 0; i < hidden; i++) res[i] = STORE(LOAD(res[i]) + LOAD(dl[i]));               \
+        }                                                                                                  \
+        for (int64_t i = 0; i < hidden; i++) { const float v = LOAD(res[i]); sum += v * v; }               \
+        const float inv = 1.f / sqrtf(sum / hidden + eps);                                                 \
+        T *o = out + t * hidden;                                                                           \
+        for (int64_t i = 0; i < hidden; i++) o[i] = STORE(round_##S(LOAD(res[i]) * inv) * LOAD(weight[i])); \
+    }                                                                                                      \
+}                                                                                                          \
+                                                                                                           \
+void rotary_##S(T *q, int64_t q_stride, T *k, int64_t k_stride, const float *cos, const float *sin,       \
+                int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim) {                      \
+    const int64_t half = head_dim / 2;                                                                     \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++) {                                                                 \
+        const float *c = cos + t * half, *s = sin + t * half;                                              \
+        for (int64_t h = 0; h < q_heads + k_heads; h++) {                                                  \
+            T *x = h < q_heads ? q + t * q_stride + h * head_dim : k + t * k_stride + (h - q_heads) * head_dim; \
+            for (int64_t i = 0; i < half; i++) {                                                           \
+                const float x1 = LOAD(x[i]), x2 = LOAD(x[i + half]);                                       \
+                const float ci = round_##S(c[i]), si = round_##S(s[i]);                                    \
+                x[i] = STORE(round_##S(x1 * ci) + round_##S(-x2 * si));                                    \
+                x[i + half] = STORE(round_##S(x2 * ci) + round_##S(x1 * si));                              \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+}                                                                                                          \
+                                                                                                           \
+void write_kv_##S(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *blocks,      \
+                  const int64_t *offsets,                                                                  \
+                  int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t block_size, T *k_cache,       \
+                  T *v_cache) {                                                                            \
+    for (int64_t t = 0; t < tokens; t++)                                                                   \
+        for (int64_t h = 0; h < kv_heads; h++) {                                                           \
+            const T *kt = k + t * k_stride + h * head_dim, *vt = v + t * v_stride + h * head_dim;          \
+            T *kc = k_cache + ((blocks[t] * kv_heads + h) * head_dim) * block_size + offsets[t];           \
+            for (int64_t d = 0; d < head_dim; d++) kc[d * block_size] = kt[d];  /* K: [head_dim][block] */ \
+            memcpy(v_cache + ((blocks[t] * kv_heads + h) * block_size + offsets[t]) * head_dim, vt,        \
+                   sizeof(T) * head_dim);                                                                  \
+        }                                                                                                  \
+}                                                                                                          \
+                                                                                                           \
+void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {                           \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++) {                                                                 \
+        const T *g = gate_up + t * 2 * inter, *u = g + inter;                                              \
+        T *o = out + t * inter;                                                                            \
+        _Pragma("omp simd")                                                                                \
+        for (int64_t i = 0; i < inter; i++) {                                                              \
+            const float x = LOAD(g[i]);                                                                    \
+            o[i] = STORE(round_##S(x / (1.f + expf(-x))) * LOAD(u[i]));                                    \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+
+DEFINE_OPS(bf16, uint16_t, ops_bf16_to_float, ops_float_to_bf16)
+DEFINE_OPS(f32, float, ops_f32_load, ops_f32_store)
