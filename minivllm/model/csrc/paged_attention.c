@@ -21,6 +21,7 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK_SIZE 64
+#define PREFETCH_BLOCKS 2
 #define CHAINS 4  /* head_dim must be a multiple (kernels.py checks) */
 
 static inline float bf16_to_float(uint16_t x) {
@@ -52,8 +53,9 @@ static inline void f32_tile(const float *src, tile_t *dst, int64_t n) {
     memcpy(dst->f, src, sizeof(float) * n);
 }
 
-/* Blocks are scattered in the pool: ask for the next tile while this one is computed, since the
- * hardware prefetcher cannot guess the jump. */
+/* Blocks are scattered in the pool and the hardware prefetcher cannot guess the jumps: the score
+ * pass asks for the K tile PREFETCH_BLOCKS ahead and for this block's V tile, which the value pass
+ * will want next (measured on 64 sequences x 300 tokens x 30 layers read from DRAM: 10% faster). */
 static inline void prefetch_tile(const void *tile, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)tile + i);
 }
@@ -69,9 +71,13 @@ static inline __attribute__((always_inline)) void NAME(                         
     const int64_t num_blocks = (ctx + block_size - 1) / block_size, stride = num_blocks * block_size;     \
     for (int64_t g = 0; g < group; g++)                                                                    \
         for (int64_t d = 0; d < head_dim; d++) { qf[g][d] = LOAD(q[g * head_dim + d]) * scale; acc[g][d] = 0.f; } \
+    for (int64_t b = 0; b < PREFETCH_BLOCKS && b < num_blocks; b++)                                        \
+        prefetch_tile(k_cache + table[b] * tile, head_dim * block_size * sizeof(T));                       \
     for (int64_t b = 0; b < num_blocks; b++) {  /* scores: s[t] += q[d] * K[d][t] */                     \
         const T *k = k_cache + table[b] * tile;                                                            \
-        if (b + 1 < num_blocks) prefetch_tile(k_cache + table[b + 1] * tile, head_dim * block_size * sizeof(T)); \
+        if (b + PREFETCH_BLOCKS < num_blocks)                                                              \
+            prefetch_tile(k_cache + table[b + PREFETCH_BLOCKS] * tile, head_dim * block_size * sizeof(T)); \
+        prefetch_tile(v_cache + table[b] * tile, head_dim * block_size * sizeof(T));                       \
         TILE(k, &tile_buf, head_dim * block_size);                                                         \
         for (int64_t g = 0; g < group; g++) {                                                              \
             /* CHAINS partial sums (d mod CHAINS) keep that many FMAs in flight instead of one chain. */  \
@@ -97,7 +103,6 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                                      \
     for (int64_t b = 0; b < num_blocks; b++) {  /* acc[d] += p[t] * V[t][d] */                           \
         const T *v = v_cache + table[b] * tile;                                                            \
-        if (b + 1 < num_blocks) prefetch_tile(v_cache + table[b + 1] * tile, head_dim * block_size * sizeof(T)); \
         const int64_t n = ctx - b * block_size < block_size ? ctx - b * block_size : block_size;           \
         TILE(v, &tile_buf, n * head_dim);                                                                  \
         for (int64_t g = 0; g < group; g++) {                                                              \
@@ -126,7 +131,10 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_t
           const int64_t *context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,          \
           int64_t head_dim, int64_t block_size, float scale, T *out) {                                     \
     const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;                     \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic)")                                              \
+    /* A sequence's heads go to one thread, one after the other, when there are enough sequences to share \
+     * out: its blocks then stream through one core's cache (64 sequences x 300 tokens: 1.13x faster). */ \
+    const int64_t chunk = num_seqs >= 8 ? num_kv_heads : 1;                                                \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, chunk)")                                       \
     for (int64_t s = 0; s < num_seqs; s++)                                                                 \
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                    \
             const int64_t ctx = context_lens[s], padded = (ctx + block_size - 1) / block_size * block_size; \
