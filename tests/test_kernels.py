@@ -39,7 +39,9 @@ def test_kernel_matches_sdpa(dtype, tol, heads, kv_heads, head_dim, block_size):
     max_blocks = int(-(-context_lens.max() // block_size))
     # Scattered, non-overlapping blocks, padded like the runner pads (with block 0).
     tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
-    q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
+    # q as the model passes it: a view into the fused qkv output, rows wider than the heads.
+    qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(num_seqs, heads, head_dim)
     out = paged_decode_attention(kernel, q, k_cache, v_cache, tables, context_lens, head_dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, tables, context_lens, head_dim ** -0.5),

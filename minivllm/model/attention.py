@@ -68,8 +68,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     d = meta.num_decodes
     if d and meta.decode_kernel is not None:
-        out[:d] = paged_decode_attention(meta.decode_kernel, q[:d].contiguous(), k_cache, v_cache,
-                                         meta.decode_block_tables, meta.decode_context_lens, scale)
+        paged_decode_attention(meta.decode_kernel, q[:d], k_cache, v_cache, meta.decode_block_tables,
+                               meta.decode_context_lens, scale, out=out[:d])
     elif d:
         keys, values = _gather(k_cache, v_cache, meta.decode_block_tables)  # [d, kv_heads, ctx, head_dim]
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,

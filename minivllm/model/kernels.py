@@ -59,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"minivllm: native kernels unavailable, using torch ({detail.strip()[:200]})")
         return None
     for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32"):
-        getattr(lib, name).argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
+        getattr(lib, name).argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
                                        ctypes.c_float, _PTR]
     if hasattr(lib, "linear_bf16"):
         lib.linear_bf16.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _I64]
@@ -93,13 +93,17 @@ def decode_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: 
 
 
 def paged_decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [seqs, heads, head_dim] (contiguous); k_cache: [blocks, kv_heads, head_dim, block_size];
-    v_cache: [blocks, kv_heads, block_size, head_dim]; block_tables: [seqs, max_blocks] int64;
-    context_lens: [seqs] int64."""
-    out = torch.empty_like(q)
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [seqs, heads, head_dim], each sequence's heads contiguous (a view into the fused qkv output is
+    fine); k_cache: [blocks, kv_heads, head_dim, block_size]; v_cache: [blocks, kv_heads, block_size,
+    head_dim]; block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64. Writes into `out`
+    (contiguous, q's shape) when given."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
-    kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+    kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
            context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim, k_cache.shape[3], scale,
            out.data_ptr())
     return out

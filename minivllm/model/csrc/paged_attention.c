@@ -127,7 +127,8 @@ static inline __attribute__((always_inline)) void NAME(                         
 
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE, TILE)                                                                \
 DEFINE_TASK(NAME##_task, T, LOAD, STORE, TILE)                                                                   \
-void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_tables, int64_t max_blocks,  \
+void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *block_tables,     \
+          int64_t max_blocks,                                                                              \
           const int64_t *context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,          \
           int64_t head_dim, int64_t block_size, float scale, T *out) {                                     \
     const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;                     \
@@ -139,16 +140,17 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_t
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                    \
             const int64_t ctx = context_lens[s], padded = (ctx + block_size - 1) / block_size * block_size; \
             float *scores = malloc(sizeof(float) * group * padded);                                        \
-            const int64_t head0 = (s * num_heads + kh * group) * head_dim;                                 \
+            const int64_t head0 = (s * num_heads + kh * group) * head_dim;  /* in out, contiguous */      \
+            const T *qh = q + s * q_stride + kh * group * head_dim;                                        \
             const T *k = k_cache + kh * head_tile, *v = v_cache + kh * head_tile;                          \
             const int64_t *table = block_tables + s * max_blocks, tile = num_kv_heads * head_tile;         \
             /* Literal sizes for the common shapes let the compiler unroll and keep tiles in registers. */ \
             if (head_dim == 64 && block_size == 16)                                                        \
-                NAME##_task(q + head0, k, v, table, ctx, group, 64, 16, tile, scale, out + head0, scores); \
+                NAME##_task(qh, k, v, table, ctx, group, 64, 16, tile, scale, out + head0, scores); \
             else if (head_dim == 128 && block_size == 16)                                                  \
-                NAME##_task(q + head0, k, v, table, ctx, group, 128, 16, tile, scale, out + head0, scores); \
+                NAME##_task(qh, k, v, table, ctx, group, 128, 16, tile, scale, out + head0, scores); \
             else                                                                                           \
-                NAME##_task(q + head0, k, v, table, ctx, group, head_dim, block_size, tile, scale,         \
+                NAME##_task(qh, k, v, table, ctx, group, head_dim, block_size, tile, scale,         \
                             out + head0, scores);                                                          \
             free(scores);                                                                                  \
         }                                                                                                  \
