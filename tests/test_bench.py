@@ -236,6 +236,30 @@ def test_throughput_hf_backend_runs_the_same_requests(tmp_path):
     assert r["output_tokens_per_s"] > 0
 
 
+def test_latency_end_to_end(tmp_path):
+    res = run_json(tmp_path, "latency", "--batch-size", "3", "--input-len", "20", "--output-len", "5",
+                   "--num-iters", "2", "--num-iters-warmup", "1", "--num-kv-blocks", "64")
+    r = res["result"]
+    assert (r["batch_size"], r["input_len"], r["output_len"]) == (3, 20, 5) and len(r["latencies"]) == 2
+    # The 60 prompt tokens fit one step, which also samples each first token: 4 decode steps per iteration.
+    assert r["decode_steps"] == 2 * 4
+    assert r["decode_step_ms"] > 0 and min(r["latencies"]) * 1000 > r["decode_step_ms"] * 4
+    assert set(r["step_time_shares"]) == {"schedule", "prepare", "forward", "sample", "update"}
+    assert sum(r["step_time_shares"].values()) == pytest.approx(1.0)
+
+
+def test_kernels_end_to_end(tmp_path):
+    res = run_json(tmp_path, "kernels", "--rows", "1,9", "--num-seqs", "2", "--context", "20", "--op-rows", "3")
+    what = [t["what"] for t in res["timings"]]
+    assert what == ["120 layer GEMMs x 1 rows", "120 layer GEMMs x 9 rows",
+                    "decode attention, 2 seqs x 20 tokens, 30 layers",
+                    "add + RMSNorm, 3 rows", "SiLU and mul, 3 rows", "RoPE on q and k, 3 rows"]
+    assert all(t["torch_ms"] > 0 for t in res["timings"])
+    for t in res["timings"]:
+        if t["native_ms"] is not None:
+            assert t["speedup"] == pytest.approx(t["torch_ms"] / t["native_ms"])
+
+
 def test_roofline_end_to_end(tmp_path):
     res = run_json(tmp_path, "roofline", "--num-tokens", "32", "--dtypes", "float32")
     f32 = res["per_dtype"]["float32"]

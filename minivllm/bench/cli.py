@@ -1,4 +1,5 @@
-"""`minivllm bench throughput|serve|compare|roofline`: flags and the commands that tie the parts."""
+"""`minivllm bench throughput|latency|serve|compare|scheduling|kernels|roofline`: flags and the commands
+that tie the parts."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,17 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         out["roofline"] = asdict(roof)
         out["roofline_fraction"] = fraction
     write_json(args.output_json, out)
+
+
+# -- latency --------------------------------------------------------------------------------------------
+def cmd_latency(args: argparse.Namespace) -> None:
+    from minivllm.bench.latency import run_latency
+
+    config = EngineConfig.from_cli_args(args, max_num_seqs=max(args.batch_size, args.max_num_seqs))
+    result = run_latency(config, args.batch_size, args.input_len, args.output_len, args.num_iters,
+                         args.num_iters_warmup)
+    print(result.text())
+    write_json(args.output_json, {"engine": asdict(config), "result": asdict(result)})
 
 
 # -- serve ----------------------------------------------------------------------------------------------
@@ -187,6 +199,16 @@ def _rate(text: str) -> float:
     return rate
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def _dtypes(text: str) -> tuple[str, ...]:
     names = tuple(text.split(","))
     if not set(names) <= {"bfloat16", "float32", "float16"}:
@@ -209,8 +231,20 @@ def cmd_scheduling(args: argparse.Namespace) -> None:
     write_json(args.output_json, {"engine": asdict(config), "rows": [asdict(r) for r in rows]})
 
 
+def cmd_kernels(args: argparse.Namespace) -> None:
+    from minivllm.bench.kernels import decode_attention, format_timings, layer_op_timings, linears
+    from minivllm.model.loader import load_checkpoint, resolve_model_path
+
+    model_config, _ = load_checkpoint(resolve_model_path(args.model))
+    timings = [*linears(model_config, args.rows),
+               *(decode_attention(model_config, n, args.context) for n in args.num_seqs),
+               *layer_op_timings(model_config, args.op_rows)]
+    print(format_timings(timings))
+    write_json(args.output_json, {"timings": [{**asdict(t), "speedup": t.speedup} for t in timings]})
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, compare, scheduling, roofline")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, scheduling, kernels, roofline")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bench_sub.add_parser("throughput", help="offline throughput of a workload (minivllm or --backend hf)")
@@ -223,6 +257,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed",))
     p.set_defaults(func=cmd_throughput)
+
+    p = bench_sub.add_parser("latency", help="latency of one batch, and its decode step time and phases")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--num-iters", type=int, default=3)
+    _output_args(p, progress=False)
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_latency)
 
     p = bench_sub.add_parser("serve", help="online benchmark against an OpenAI-compatible server")
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
@@ -267,6 +311,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed", "trace_file", "enable_chunked_prefill", "scheduling_policy"))
     p.set_defaults(func=cmd_scheduling)
+
+    p = bench_sub.add_parser("kernels", help="the CPU fast paths (bf16) against the torch code they replace")
+    p.add_argument("--model", default=None, help="checkpoint whose shapes are measured (default: SmolLM2)")
+    p.add_argument("--rows", type=_ints, default=[1, 4, 8, 16, 64], help="token rows of the layer GEMMs")
+    p.add_argument("--num-seqs", type=_ints, default=[1, 64], help="sequences of the decode attention")
+    p.add_argument("--context", type=int, default=300, help="tokens already cached per sequence")
+    p.add_argument("--op-rows", type=_ints, default=[1, 64, 2048], help="token rows of the fused layer ops")
+    _output_args(p, progress=False)
+    p.set_defaults(func=cmd_kernels)
 
     p = bench_sub.add_parser("roofline", help="this machine's GEMM rate, read bandwidth and the model's roofline")
     p.add_argument("--model", default=None, help="checkpoint whose layer shapes are measured (default: SmolLM2)")

@@ -69,8 +69,7 @@ def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True
     llm = LLM(**vars(config))
     requests = build_workload(spec, llm.engine.tokenizer, np.random.default_rng(spec["seed"]))
     warm_up(llm.engine)
-    llm.engine.step_time = dict.fromkeys(llm.engine.step_time, 0.0)  # measure the workload alone
-    llm.engine.runner.prepare_time = 0.0
+    llm.engine.reset_step_time()  # measure the workload alone
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
                         [r.sampling_params() for r in requests], use_tqdm=show_progress)

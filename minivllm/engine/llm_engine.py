@@ -241,6 +241,11 @@ class LLMEngine:
             self.tracer = None
 
     # -- introspection ----------------------------------------------------------------------------------
+    def reset_step_time(self) -> None:
+        """Start the per-phase timers afresh, to measure one stretch of steps alone."""
+        self.step_time = dict.fromkeys(self.step_time, 0.0)
+        self.runner.prepare_time = 0.0
+
     def step_time_breakdown(self) -> dict[str, float]:
         """Share of step time per phase: schedule, prepare (inputs), forward, sample, update."""
         t = dict(self.step_time)

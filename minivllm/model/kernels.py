@@ -103,13 +103,13 @@ def paged_decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
-    kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-           context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim, k_cache.shape[3], scale,
-           out.data_ptr())
+    kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+           block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim,
+           k_cache.shape[3], scale, out.data_ptr())
     return out
 
 
-SMALL_LINEAR_ROWS = 8  # up to here the native kernel beats oneDNN (bench: 2.1x at 1 row, 1.3x at 8, slower at 16)
+SMALL_LINEAR_ROWS = 8  # up to here the native kernel beats packed oneDNN (`minivllm bench kernels`)
 
 
 def small_linear_kernel(device: torch.device, dtype: torch.dtype):

@@ -1,0 +1,118 @@
+"""`minivllm bench kernels`: each CPU fast path of the model against the torch code it replaces, on
+this model's shapes, with weights and KV caches far larger than the caches as in a real step. It
+shows why each native path exists (kernels.py) and keeps the figures of BENCHMARKS.md reproducible."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.bench.roofline import best_time, model_gemms
+from minivllm.model.attention import AttentionMetadata, kv_cache_shapes, paged_attention
+from minivllm.model.kernels import (SMALL_LINEAR_ROWS, decode_attention_kernel, layer_ops, onednn_linear,
+                                    onednn_packed_weight, small_linear, small_linear_kernel)
+from minivllm.model.llama import RMSNorm, apply_rotary
+from minivllm.model.loader import ModelConfig
+
+CPU, BF16 = torch.device("cpu"), torch.bfloat16
+
+
+@dataclass
+class KernelTiming:
+    what: str  # the operation and its size
+    torch_ms: float  # the plain torch path
+    native_ms: float | None  # the fast path the model takes (None: not available here)
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.native_ms is None else self.torch_ms / self.native_ms
+
+
+def linears(config: ModelConfig, rows: list[int]) -> list[KernelTiming]:
+    """All decoder layers' GEMMs (one step's worth of weights, read cold) at each row count."""
+    body, _ = model_gemms(config)
+    weights = [torch.randn(s.out_features, s.in_features, dtype=BF16) for s in body for _ in range(s.count)]
+    packed = [onednn_packed_weight(w) for w in weights]
+    gemv = small_linear_kernel(CPU, BF16)
+    nbytes = sum(w.numel() * 2 for w in weights)
+    out = []
+    for n in rows:
+        xs = {k: torch.randn(n, k, dtype=BF16) for k in {w.shape[1] for w in weights}}
+        plain = best_time(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], CPU)
+        if gemv is not None and n <= SMALL_LINEAR_ROWS:
+            fast, path = best_time(lambda: [small_linear(gemv, xs[w.shape[1]], w) for w in weights], CPU), "native"
+        elif packed[0] is not None:
+            fast = best_time(lambda: [onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)], CPU)
+            path = "oneDNN packed"
+        else:
+            fast, path = None, ""
+        best = min(plain, fast or plain)
+        out.append(KernelTiming(f"{len(weights)} layer GEMMs x {n} rows", plain * 1e3, fast and fast * 1e3,
+                                f"{path}; weights read at {nbytes / best / 1e9:.1f} GB/s"))
+    return out
+
+
+def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_size: int = 16) -> KernelTiming:
+    """One decode step's attention in every layer (KV write included) over caches read from DRAM."""
+    kv_heads, head_dim, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
+    per_seq = -(-(context + 1) // block_size)
+    k_shape, v_shape = kv_cache_shapes(num_seqs * per_seq, block_size, kv_heads, head_dim)
+    caches = [(torch.randn(k_shape, dtype=BF16), torch.randn(v_shape, dtype=BF16))
+              for _ in range(config.num_hidden_layers)]
+    tables = torch.arange(num_seqs * per_seq).view(num_seqs, per_seq)  # a fresh engine allocates in order
+    lens = torch.full((num_seqs,), context + 1)
+    slots = torch.arange(num_seqs) * per_seq + context // block_size
+    meta = AttentionMetadata(slot_blocks=slots, slot_offsets=torch.full((num_seqs,), context % block_size),
+                             num_decodes=num_seqs, decode_block_tables=tables, decode_context_lens=lens)
+    q = torch.randn(num_seqs, heads, head_dim, dtype=BF16)
+    k, v = (torch.randn(num_seqs, kv_heads, head_dim, dtype=BF16) for _ in range(2))
+
+    def step(m: AttentionMetadata) -> None:
+        for k_cache, v_cache in caches:
+            paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
+
+    kernel = decode_attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
+    mask = (torch.arange(per_seq * block_size)[None, :] < lens[:, None])[:, None, None, :]
+    with torch.inference_mode():
+        plain = best_time(lambda: step(AttentionMetadata(**{**vars(meta), "decode_mask": mask})), CPU)
+        fast = kernel and best_time(lambda: step(AttentionMetadata(**{**vars(meta), "decode_kernel": kernel})), CPU)
+    kv_bytes = 2 * config.num_hidden_layers * num_seqs * (context + 1) * kv_heads * head_dim * 2
+    best = fast or plain
+    return KernelTiming(f"decode attention, {num_seqs} seqs x {context} tokens, {config.num_hidden_layers} layers",
+                        plain * 1e3, fast and fast * 1e3, f"K/V read at {kv_bytes / best / 1e9:.1f} GB/s")
+
+
+def layer_op_timings(config: ModelConfig, rows: list[int]) -> list[KernelTiming]:
+    """The fused ops of one layer against their torch versions, in microseconds (as ms / 1000)."""
+    ops, hidden, inter = layer_ops(CPU, BF16), config.hidden_size, config.intermediate_size
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    norm = RMSNorm(hidden, config.rms_norm_eps).to(BF16)
+    out = []
+    for n in rows:
+        x, residual = torch.randn(n, hidden, dtype=BF16), torch.randn(n, hidden, dtype=BF16)
+        gate_up = torch.randn(n, 2 * inter, dtype=BF16)
+        q, k = torch.randn(n, heads, head_dim, dtype=BF16), torch.randn(n, kv_heads, head_dim, dtype=BF16)
+        angles = torch.rand(n, head_dim // 2) * 6.28  # real rotations: repeated in place, they keep the norm
+        cos, sin = angles.cos(), angles.sin()
+        cases = [("add + RMSNorm", lambda: norm._norm(residual + x),
+                  ops and (lambda: ops.add_rms_norm(x, residual.clone(), norm.weight, norm.eps))),
+                 ("SiLU and mul", lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+                  ops and (lambda: ops.silu_and_mul(gate_up))),
+                 ("RoPE on q and k", lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
+                  ops and (lambda: ops.rotary_(q, k, cos, sin)))]
+        with torch.inference_mode():
+            for name, plain, fast in cases:
+                out.append(KernelTiming(f"{name}, {n} rows", best_time(plain, CPU) * 1e3,
+                                        fast and best_time(fast, CPU) * 1e3))
+    return out
+
+
+def format_timings(timings: list[KernelTiming]) -> str:
+    lines = [f"{'operation':<58}{'torch ms':>10}{'native ms':>11}{'speedup':>9}  note"]
+    for t in timings:
+        native = "-" if t.native_ms is None else f"{t.native_ms:.3f}"
+        speedup = "-" if t.speedup is None else f"{t.speedup:.2f}x"
+        lines.append(f"{t.what:<58}{t.torch_ms:>10.3f}{native:>11}{speedup:>9}  {t.note}")
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""`minivllm bench latency`: one batch, as vLLM's `bench latency` runs it: --batch-size prompts of
+--input-len tokens each generate --output-len tokens, all started together. Reports the batch's
+latency and, once every prompt is in, the decode step: its time at this batch size and context, and
+the engine's own split of it (schedule, input preparation, forward, sampling, update)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from minivllm.bench.compare import warm_up
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass
+class LatencyResult:
+    batch_size: int
+    input_len: int
+    output_len: int
+    latencies: list[float]  # seconds per iteration: the whole batch, first prefill to last token
+    decode_step_ms: float  # mean over the steps in which every sequence decodes
+    decode_steps: int
+    step_time_shares: dict[str, float]  # of those decode steps
+
+    def text(self) -> str:
+        lat = np.array(self.latencies) * 1000
+        return (f"Batch {self.batch_size} x {self.input_len} prompt tokens -> {self.output_len} tokens each: "
+                f"latency mean {lat.mean():.0f} ms, P50 {np.percentile(lat, 50):.0f}, P90 {np.percentile(lat, 90):.0f} "
+                f"({len(lat)} iterations)\n"
+                f"Decode step: {self.decode_step_ms:.1f} ms at batch {self.batch_size} "
+                f"({self.batch_size * 1000 / self.decode_step_ms:.1f} output tokens/s), mean of "
+                f"{self.decode_steps} steps\nDecode step time: "
+                + ", ".join(f"{k} {v:.1%}" for k, v in self.step_time_shares.items()))
+
+
+def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_len: int,
+                num_iters: int, num_iters_warmup: int, seed: int = 0) -> LatencyResult:
+    engine = LLMEngine(config)
+    warm_up(engine)
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    latencies, decode_seconds, decode_steps = [], 0.0, 0
+    for i in range(num_iters_warmup + num_iters):
+        # Random token ids, fresh each iteration so that the prefix cache cannot serve them.
+        prompts = rng.integers(1000, engine.model_config.vocab_size - 1000, size=(batch_size, input_len)).tolist()
+        for j, prompt in enumerate(prompts):
+            engine.add_request(f"latency-{i}-{j}", prompt, params)
+        start, started = time.perf_counter(), set()
+        while len(started) < batch_size:  # prefill: until every request has its first token
+            started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        measured = i >= num_iters_warmup
+        if measured:
+            engine.reset_step_time()
+        decode_start, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        if measured:
+            latencies.append(time.perf_counter() - start)
+            decode_seconds += time.perf_counter() - decode_start
+            decode_steps += steps
+    shares = engine.step_time_breakdown()
+    engine.close()
+    return LatencyResult(batch_size, input_len, output_len, latencies,
+                         1000 * decode_seconds / max(decode_steps, 1), decode_steps, shares)
