@@ -72,9 +72,9 @@ void rotary_##S(T *q, int64_t q_stride, T *k, int64_t k_stride, const float *cos
 }                                                                                                          \
                                                                                                            \
 void write_kv_##S(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *blocks,      \
-                  const int64_t *offsets,                                                                  \
-                  int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t block_size, T *k_cache,       \
-                  T *v_cache) {                                                                            \
+                  const int64_t *offsets, int64_t tokens, int64_t kv_heads, int64_t head_dim,               \
+                  int64_t block_size, T *k_cache, T *v_cache) {                                            \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")  /* every token has its own slot */          \
     for (int64_t t = 0; t < tokens; t++)                                                                   \
         for (int64_t h = 0; h < kv_heads; h++) {                                                           \
             const T *kt = k + t * k_stride + h * head_dim, *vt = v + t * v_stride + h * head_dim;          \
