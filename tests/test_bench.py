@@ -243,7 +243,8 @@ def test_latency_end_to_end(tmp_path):
     assert (r["batch_size"], r["input_len"], r["output_len"]) == (3, 20, 5) and len(r["latencies"]) == 2
     # The 60 prompt tokens fit one step, which also samples each first token: 4 decode steps per iteration.
     assert r["decode_steps"] == 2 * 4
-    assert r["decode_step_ms"] > 0 and min(r["latencies"]) * 1000 > r["decode_step_ms"] * 4
+    # The decode steps are timed inside each iteration's latency, so their total is a part of it.
+    assert 0 < r["decode_step_ms"] * r["decode_steps"] <= sum(r["latencies"]) * 1000
     assert set(r["step_time_shares"]) == {"schedule", "prepare", "forward", "sample", "update"}
     assert sum(r["step_time_shares"].values()) == pytest.approx(1.0)
 
