@@ -244,7 +244,8 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, scheduling, kernels, roofline")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, scheduling, kernels, "
+                                         "roofline")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bench_sub.add_parser("throughput", help="offline throughput of a workload (minivllm or --backend hf)")

@@ -1,9 +1,11 @@
-"""Native CPU kernels, compiled at first use with the system's C compiler and loaded with ctypes.
+"""The model's fast paths on the CPU: native kernels, and bf16 weights packed for oneDNN.
 
-No build step at install time and no torch headers: the C files in csrc/ are plain C with OpenMP,
-built into one library for this CPU (-march=native). When no compiler is present (or the build
-fails) every getter here returns None and the model uses torch: attention falls back to gather +
-scaled_dot_product_attention, linear layers to F.linear.
+The native kernels (csrc/*.c) are plain C with OpenMP, no torch headers: compiled at first use with
+the system's C compiler into one library for this CPU (-march=native) and loaded with ctypes, so
+there is no build step at install time. When no compiler is present (or the build fails) every
+getter here returns None and the model runs its torch twins: attention gathers the blocks for
+scaled_dot_product_attention, linear layers call F.linear, the layer ops run as torch ops.
+`minivllm bench kernels` measures each path against its twin.
 """
 from __future__ import annotations
 
