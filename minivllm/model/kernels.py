@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.c"))
 COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 # Linked without -ffast-math: GCC 12 would otherwise add crtfastmath, which flushes denormals to zero
 # for the whole process (torch included) as soon as the library loads.
@@ -40,7 +41,8 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     # -march=native: the library is only valid for this CPU model, so its name says which.
-    key = b"".join(s.read_bytes() for s in SOURCES) + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu()]).encode()
+    code = b"".join(f.read_bytes() for f in sorted([*SOURCES, *CSRC.glob("*.h")]))
+    key = code + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu()]).encode()
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minivllm"
     lib_path = cache / f"kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
     try:

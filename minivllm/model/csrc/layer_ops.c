@@ -14,24 +14,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PARALLEL_ROWS 16  /* fewer rows than this run on the calling thread */
-
-static inline float ops_bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t ops_float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float ops_f32_load(float x) { return x; }
-static inline float ops_f32_store(float x) { return x; }
 
 #define DEFINE_OPS(S, T, LOAD, STORE)                                                                      \
 static inline float round_##S(float x) { return LOAD(STORE(x)); }                                          \
@@ -98,5 +83,5 @@ void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {
     }                                                                                                      \
 }
 
-DEFINE_OPS(bf16, uint16_t, ops_bf16_to_float, ops_float_to_bf16)
-DEFINE_OPS(f32, float, ops_f32_load, ops_f32_store)
+DEFINE_OPS(bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_OPS(f32, float, f32_load, f32_store)

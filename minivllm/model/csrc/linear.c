@@ -8,20 +8,14 @@
  * Built only where the compiler targets AVX512-BF16; kernels.py falls back to torch elsewhere.
  */
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
 #define WEIGHT_ROWS 2  /* weight rows per tile, each used by up to 4 x rows: 2 beats 4 and 8 by 2-15 % */
 #define PREFETCH_ROWS 8  /* how far ahead the next weight rows are requested, into L2: 1.3x over none */
-
-static inline uint16_t linear_float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);  /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
 
 /* Rows m0..m0+x_rows of the output, columns n0..n0+WEIGHT_ROWS. x_rows is a literal at each call. */
 static inline __attribute__((always_inline)) void linear_tile(
@@ -44,7 +38,7 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
     for (int m = 0; m < x_rows; m++)
         for (int r = 0; r < WEIGHT_ROWS && n0 + r < N; r++)
-            out[(m0 + m) * N + n0 + r] = linear_float_to_bf16(_mm512_reduce_add_ps(acc[m][r]));
+            out[(m0 + m) * N + n0 + r] = float_to_bf16(_mm512_reduce_add_ps(acc[m][r]));
 }
 
 /* x [M, K], w [N, K], out [M, N], all bf16 and contiguous; K a multiple of 32 (kernels.py checks). */

@@ -18,28 +18,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK_SIZE 64
 #define PREFETCH_BLOCKS 2
 #define CHAINS 4  /* head_dim must be a multiple (kernels.py checks) */
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float f32_load(float x) { return x; }
-static inline float f32_store(float x) { return x; }
 
 /* A tile of K or V converted to float32. Written through `u` for bf16 (a shift per element, which
  * vectorizes), read through `f`: C11 allows reading a union through another member. */
