@@ -7,7 +7,7 @@
  *   write_kv       copy the new tokens' K and V into their pool slots (layout: attention.py)
  *   silu_and_mul   out = silu(gate) * up, from the fused gate_up output
  * Intermediate results are rounded to the model's dtype exactly where the torch code rounds them
- * (ROUND), so that the native and torch paths give the same numbers up to the order of sums.
+ * (round_bf16), so that the native and torch paths give the same numbers up to the order of sums.
  * Rows are split across OpenMP threads only when there are enough of them to pay for the fork.
  */
 #include <math.h>
