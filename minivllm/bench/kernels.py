@@ -3,13 +3,13 @@ this model's shapes, with weights and KV caches far larger than the caches as in
 shows why each native path exists (kernels.py) and keeps the figures of BENCHMARKS.md reproducible."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from minivllm.bench.roofline import best_time, model_gemms
-from minivllm.model.attention import AttentionMetadata, kv_cache_shapes, paged_attention
+from minivllm.model.attention import AttentionMetadata, decode_mask, kv_cache_shapes, paged_attention
 from minivllm.model.kernels import (SMALL_LINEAR_ROWS, decode_attention_kernel, layer_ops, onednn_linear,
                                     onednn_packed_weight, small_linear, small_linear_kernel)
 from minivllm.model.llama import RMSNorm, apply_rotary
@@ -74,10 +74,10 @@ def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_siz
             paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
 
     kernel = decode_attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
-    mask = (torch.arange(per_seq * block_size)[None, :] < lens[:, None])[:, None, None, :]
     with torch.inference_mode():
-        plain = best_time(lambda: step(AttentionMetadata(**{**vars(meta), "decode_mask": mask})), CPU)
-        fast = kernel and best_time(lambda: step(AttentionMetadata(**{**vars(meta), "decode_kernel": kernel})), CPU)
+        torch_meta = replace(meta, decode_mask=decode_mask(lens, per_seq * block_size))
+        plain = best_time(lambda: step(torch_meta), CPU)
+        fast = kernel and best_time(lambda: step(replace(meta, decode_kernel=kernel)), CPU)
     kv_bytes = 2 * config.num_hidden_layers * num_seqs * (context + 1) * kv_heads * head_dim * 2
     best = fast or plain
     return KernelTiming(f"decode attention, {num_seqs} seqs x {context} tokens, {config.num_hidden_layers} layers",

@@ -53,6 +53,12 @@ class AttentionMetadata:
         return self.slot_blocks.shape[0]
 
 
+def decode_mask(context_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The torch path's mask over gathered blocks: [seqs, 1, 1, num_tokens], True where a token exists."""
+    positions = torch.arange(num_tokens, device=context_lens.device)
+    return (positions[None, :] < context_lens[:, None])[:, None, None, :]
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, ops: LayerOps | None = None) -> torch.Tensor:

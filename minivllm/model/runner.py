@@ -8,7 +8,7 @@ import torch
 
 from minivllm.engine.scheduler import SchedulerOutput, will_sample
 from minivllm.engine.sequence import Sequence
-from minivllm.model.attention import AttentionMetadata, PrefillSpan, kv_cache_shapes
+from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes
 from minivllm.model.kernels import decode_attention_kernel
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig
@@ -84,8 +84,7 @@ class ModelRunner:
             meta.decode_context_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes],
                                                     dtype=torch.long, device=dev)
             if self.decode_kernel is None:
-                meta.decode_mask = (torch.arange(max_blocks * self.block_size, device=dev)[None, :]
-                                    < meta.decode_context_lens[:, None])[:, None, None, :]
+                meta.decode_mask = decode_mask(meta.decode_context_lens, max_blocks * self.block_size)
         sample_idx = [where[id(s)] for s, n in output.scheduled if will_sample(s, n)]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, torch.tensor(sample_idx, dtype=torch.long, device=dev))
