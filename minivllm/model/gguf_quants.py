@@ -1,0 +1,128 @@
+"""GGUF block formats, decoded in torch straight from the file's mapped bytes.
+
+One table of type traits (block size, bytes per block, how a batch of blocks becomes floats), as
+llama.cpp's ggml keeps them; the loader asks the table and never branches on a format name. Each
+decoder repeats the gguf package's numpy arithmetic operation for operation (the same float32
+products and sums, in the same order), so its results are bit-identical to `gguf.quants.dequantize`;
+it is only vectorized in torch (which spreads elementwise work over the cores) and run in chunks
+written straight into the output, so that no full float32 copy of a tensor exists when the model
+wants another dtype. Formats not in the table fall back to the gguf package.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+QK_K = 256  # elements per super-block of the K-quants
+# Elements decoded at once: enough that torch's threads pay off, few enough that each pass over the
+# float32 scratch (1 MiB) stays in the cache.
+CHUNK_ELEMENTS = 1 << 18
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    block_size: int  # elements per block
+    type_size: int  # bytes per block
+    # [n, type_size] uint8 -> [n, block_size] float32
+    decode: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of each block, as float32 [n, 1] (exact)."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., k] bytes -> [..., 2k] uint8: the k low nibbles, then the k high ones (ggml's order).
+    Written into one buffer: no concatenation pass."""
+    out = torch.empty((*qs.shape[:-1], 2, qs.shape[-1]), dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=out[..., 0, :])
+    torch.bitwise_right_shift(qs, 4, out=out[..., 1, :])
+    return out.view(*qs.shape[:-1], 2 * qs.shape[-1])
+
+
+# Each decoder is the gguf package's formula with the same float32 operations in the same order.
+# An integer tensor times a float32 one is computed in float32 from the exact conversion, as numpy's
+# `astype(np.float32)` then multiply is.
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:  # d * q
+    return torch.mul(blocks[:, 2:].view(torch.int8), _f16(blocks, 0))
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:  # d * (q - 8)
+    return torch.mul(_nibbles(blocks[:, 2:]).view(torch.int8).sub_(8), _f16(blocks, 0))
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:  # d * q + m
+    return torch.mul(_nibbles(blocks[:, 4:]), _f16(blocks, 0)).add_(_f16(blocks, 2))
+
+
+def _q4_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins packed in 12 bytes (ggml's get_scale_min_k4)."""
+    d, m, m_d = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:  # (d * scale) * q - (dmin * min), per sub-block of 32
+    n = blocks.shape[0]
+    sc, mn = _q4_k_scales(blocks[:, 4:16])
+    scale = torch.mul(sc, _f16(blocks, 0)).view(n, 8, 1)
+    offset = torch.mul(mn, _f16(blocks, 2)).view(n, 8, 1)
+    # 4 groups of 32 bytes; each holds 32 low nibbles then 32 high ones.
+    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).view(n, 8, 32)
+    return torch.mul(q, scale).sub_(offset).view(n, QK_K)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:  # (d * scale) * (q - 32), per sub-block of 16
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    scale = torch.mul(blocks[:, 192:208].view(torch.int8), _f16(blocks, 208)).view(n, 16, 1)
+    low = _nibbles(ql.reshape(n, 2, 64)).view(n, 8, 32)
+    high = torch.stack([(qh.reshape(n, 2, 32) >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2).view(n, 8, 32)
+    q = (low | (high << 4)).view(torch.int8).sub_(32).view(n, 16, 16)
+    return torch.mul(q, scale).view(n, QK_K)
+
+
+# ggml's type ids (GGMLQuantizationType) of the formats decoded here.
+BLOCK_FORMATS = {
+    8: BlockFormat(32, 34, _q8_0),  # Q8_0: float16 scale, 32 int8
+    2: BlockFormat(32, 18, _q4_0),  # Q4_0: float16 scale, 32 nibbles offset by 8
+    3: BlockFormat(32, 20, _q4_1),  # Q4_1: float16 scale and min, 32 nibbles
+    12: BlockFormat(QK_K, 144, _q4_k),  # Q4_K: 8 sub-blocks of 32 with 6-bit scales and mins
+    14: BlockFormat(QK_K, 210, _q6_k),  # Q6_K: 16 sub-blocks of 16 with int8 scales
+}
+# Plain floats: the file's bytes are the tensor, read in place (converted only if the dtype differs).
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
+
+
+def type_size(qtype: int) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a ggml type; the gguf package knows the others."""
+    if qtype in BLOCK_FORMATS:
+        return BLOCK_FORMATS[qtype].block_size, BLOCK_FORMATS[qtype].type_size
+    if qtype in FLOAT_TYPES:
+        return 1, FLOAT_TYPES[qtype].itemsize
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+
+
+def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A GGUF tensor's bytes (uint8, flat) as a `dtype` tensor of `shape`. Plain float types come
+    back as views of `raw` where the dtype matches (no copy)."""
+    if qtype in FLOAT_TYPES:
+        return raw.view(FLOAT_TYPES[qtype]).view(shape).to(dtype)
+    fmt = BLOCK_FORMATS.get(qtype)
+    if fmt is None:  # a format without a torch decoder here: the gguf package's numpy code
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as np_dequantize
+
+        return torch.from_numpy(np_dequantize(raw.numpy(), GGMLQuantizationType(qtype)).reshape(shape)).to(dtype)
+    blocks = raw.view(-1, fmt.type_size)
+    out = torch.empty((blocks.shape[0], fmt.block_size), dtype=dtype)
+    step = max(1, CHUNK_ELEMENTS // fmt.block_size)
+    for start in range(0, blocks.shape[0], step):
+        out[start:start + step] = fmt.decode(blocks[start:start + step])
+    return out.view(shape)
