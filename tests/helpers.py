@@ -163,7 +163,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: i
     }
     encoded: dict[str, np.ndarray] = {}
     for name, (hf_name, rows, cols) in matrices.items():
-        data = _encode(rng, rows, cols, kind)
+        data = encode_matrix(rng, rows, cols, kind)
         encoded[f"{hf_name}.weight"] = gguf.quants.dequantize(data, kind)
         if arch == "llama" and name in ("blk.0.attn_q", "blk.0.attn_k"):
             data = _permute_rows(data, TINY_HEADS if name.endswith("q") else TINY_KV_HEADS)
@@ -189,7 +189,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: i
     return encoded
 
 
-def _encode(rng: np.random.Generator, rows: int, cols: int, kind: Any) -> np.ndarray:
+def encode_matrix(rng: np.random.Generator, rows: int, cols: int, kind: Any) -> np.ndarray:
     """Random weights in `kind`'s storage: quantized by the gguf package where it can, else (the
     K-quants, which it only reads) random valid blocks with finite, small scales."""
     import gguf

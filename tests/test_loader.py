@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.model.llama import rope_inv_freq
 from minivllm.model.loader import load_checkpoint
 from tests.helpers import (EQUALITY_PROMPTS, LONG_PROMPT, TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, assert_match_hf,
-                           greedy, tiny_head_dim, write_tiny_gguf)
+                           encode_matrix, greedy, tiny_head_dim, write_tiny_gguf)
 
 
 def hf_from_gguf(path: Path) -> Any:
@@ -63,6 +64,23 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str, qtype: str) -> None:
         (arch, TINY_HEADS, TINY_KV_HEADS, tiny_head_dim(arch))
     assert not config.tie_word_embeddings
     assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (arch == "qwen3")
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_gguf_decoding_is_bit_identical_to_the_gguf_package(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch decoders against the gguf package's numpy code, over many chunks (the last one
+    short), into float32 and straight into bfloat16."""
+    import gguf
+
+    from minivllm.model import gguf_quants
+
+    monkeypatch.setattr(gguf_quants, "CHUNK_ELEMENTS", 3000)
+    kind = gguf.GGMLQuantizationType[qtype]
+    data = encode_matrix(np.random.default_rng(0), 24, 1024, kind)
+    expected = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, kind), dtype=np.float32))
+    raw = torch.from_numpy(data.reshape(-1).view(np.uint8))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(gguf_quants.dequantize(raw, int(kind), (24, 1024), dtype), expected.to(dtype))
 
 
 def test_gguf_llama3_rope_freqs_scale_like_transformers(tmp_path: Path) -> None:
