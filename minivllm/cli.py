@@ -106,11 +106,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model.loader import resolve_model_path
     from minivllm.server import ServerOptions, serve
+    from minivllm.startup import process_age, timed
+
+    imported = process_age()  # the interpreter, torch and the server's libraries
 
     config = EngineConfig.from_cli_args(args, **({"model": args.model_tag} if args.model_tag else {}))
     options = ServerOptions(args.served_model_name or config.model or resolve_model_path(None).stem, args.api_key,
                             args.max_waiting_requests)
-    serve(LLMEngine(config), options, args.host, args.port)
+    engine = LLMEngine(config)
+    engine.warm_up()
+    with timed(engine.startup_time, "chat_template"):  # transformers renders it: import it now, not on a request
+        engine.tokenizer.hf
+    if imported is not None:
+        engine.startup_time = {"import": imported, **engine.startup_time}
+    serve(engine, options, args.host, args.port)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -11,6 +13,11 @@ if TYPE_CHECKING:
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
                "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def cache_dir() -> Path:
+    """Where minivllm keeps what it builds once (converted tokenizers, compiled kernels)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minivllm"
 
 
 def parse_size(value: int | str) -> int:

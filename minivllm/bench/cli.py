@@ -103,14 +103,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
     from minivllm.bench.compare import run_engine, run_hf, summarize
     from minivllm.bench.hf_backend import HFGenerator
     from minivllm.bench.report import compare_markdown, compare_table, verdict, write_plots, write_rows
-    from minivllm.engine.llm_engine import load_model
-    from minivllm.model.loader import resolve_model_path
-
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = EngineConfig.from_cli_args(args, seed=args.seed)
-    # Loaded once: both engines below share these weights and this tokenizer.
-    _, _, tokenizer = load_model(resolve_model_path(config.model), config.torch_device, config.torch_dtype)
+    tokenizer, _ = load_tokenizer(config.model)  # the one the engines below use too (loaded once per process)
     rng = np.random.default_rng(args.seed)
     requests = mixed_requests(TextCorpus(tokenizer), args.num_prompts, args.long_fraction, args.short_input_len,
                               args.short_output_len, args.long_input_len, args.long_output_len, rng)

@@ -86,7 +86,7 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, req: Benc
         return record
     record.e2e = last - start
     if usage_tokens is None:
-        usage_tokens = len(tokenizer.hf(text, add_special_tokens=False)["input_ids"])
+        usage_tokens = len(tokenizer.encode(text, add_special_tokens=False))
     record.output_len = usage_tokens
     record.success = True
     return record

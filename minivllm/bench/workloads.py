@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
-from minivllm.model.tokenizer import Tokenizer
+from minivllm.model.tokenizer import Tokenizer, get_tokenizer
 from minivllm.sampling_params import SamplingParams
 
 DATASETS = ("fixed", "random", "shared-prefix", "jsonl")
@@ -47,11 +47,11 @@ class BenchRequest:
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model: str | None) -> tuple[Tokenizer, ModelConfig]:
-    """The checkpoint's tokenizer (and config), without loading its weights. Cached: building a
-    tokenizer from a GGUF file takes seconds, and one process may run several benchmarks."""
+    """The checkpoint's tokenizer (and config), without loading its weights: the same tokenizer
+    object as the engines' on that checkpoint (get_tokenizer builds one per process)."""
     path = resolve_model_path(model)
     config, _ = load_checkpoint(path)  # the weights are a lazy iterator: nothing is read
-    return Tokenizer(path, config), config
+    return get_tokenizer(path, config), config
 
 
 class TextCorpus:
@@ -62,9 +62,9 @@ class TextCorpus:
 
         self.tokenizer = tokenizer
         text = "\n\n".join(topics[key] for key in sorted(topics))
-        self.token_ids: list[int] = tokenizer.hf(text, add_special_tokens=False)["input_ids"]
+        self.token_ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
         # Special tokens (a BOS) that encode() adds count towards a prompt's length.
-        self.num_special = len(tokenizer.encode("a")) - len(tokenizer.hf("a", add_special_tokens=False)["input_ids"])
+        self.num_special = len(tokenizer.encode("a")) - len(tokenizer.encode("a", add_special_tokens=False))
 
     def window(self, length: int, rng: np.random.Generator) -> tuple[str, list[int]]:
         """A text of `length` tokens (as the engine tokenizes it) and those tokens."""

@@ -10,6 +10,7 @@ from minivllm.engine.scheduler import SchedulerOutput, will_sample
 from minivllm.engine.sequence import Sequence
 from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes
 from minivllm.model.kernels import decode_attention_kernel
+from minivllm.model.kv_cache import allocate_kv_caches
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig
 
@@ -30,9 +31,7 @@ class ModelRunner:
         k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.decode_kernel = decode_attention_kernel(device, dtype, cfg.head_dim,
                                                      cfg.num_attention_heads // cfg.num_key_value_heads, block_size)
-        self.kv_caches = [(torch.zeros(k_shape, dtype=dtype, device=device),
-                           torch.zeros(v_shape, dtype=dtype, device=device))
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, k_shape, v_shape, dtype, device)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:

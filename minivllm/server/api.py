@@ -37,6 +37,7 @@ from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server.metrics import ServerMetrics
+from minivllm.startup import phases_text, process_age
 
 logger = logging.getLogger(__name__)
 
@@ -640,9 +641,10 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+    def __init__(self, config: uvicorn.Config, model_name: str, startup_time: dict[str, float]) -> None:
         super().__init__(config)
         self.model_name = model_name
+        self.startup_time = startup_time  # the engine's start-up phases, reported once ready
 
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
@@ -650,6 +652,16 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             host = f"[{host}]" if ":" in host else host
             print(f"minivllm: serving {self.model_name} on http://{host}:{port}", flush=True)
+            self._print_ready()
+
+    def _print_ready(self) -> None:
+        phases = dict(self.startup_time)
+        total = process_age()
+        if total is not None and "import" in phases:  # what is left is the server's own start
+            phases["server"] = max(0.0, total - sum(phases.values()))
+        else:
+            total = sum(phases.values())
+        print(f"minivllm: ready in {total:.2f} s ({phases_text(phases)})", flush=True)
 
 
 def serve(engine: LLMEngine, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -657,7 +669,7 @@ def serve(engine: LLMEngine, options: ServerOptions, host: str = "127.0.0.1", po
     those still running after GRACEFUL_SHUTDOWN_S), and return."""
     app = build_app(engine, options)
     server = _Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
-                     options.served_model_name)
+                     options.served_model_name, engine.startup_time)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; by then all is
     # done, so let it pass and exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
