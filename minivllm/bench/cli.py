@@ -1,4 +1,4 @@
-"""`minivllm bench throughput|latency|serve|compare|scheduling|kernels|roofline`: flags and the commands
+"""`minivllm bench throughput|latency|serve|compare|scheduling|startup|kernels|roofline`: flags and the commands
 that tie the parts."""
 from __future__ import annotations
 
@@ -227,6 +227,14 @@ def cmd_scheduling(args: argparse.Namespace) -> None:
     write_json(args.output_json, {"engine": asdict(config), "rows": [asdict(r) for r in rows]})
 
 
+def cmd_startup(args: argparse.Namespace) -> None:
+    from minivllm.bench.startup import run_startup, startup_json, startup_table
+
+    runs = run_startup(args.cases, args.model, args.num_runs, args.num_cold_runs)
+    print(startup_table(runs))
+    write_json(args.output_json, startup_json(runs))
+
+
 def cmd_kernels(args: argparse.Namespace) -> None:
     from minivllm.bench.kernels import decode_attention, format_timings, layer_op_timings, linears
     from minivllm.model.loader import load_checkpoint, resolve_model_path
@@ -240,8 +248,8 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, scheduling, kernels, "
-                                         "roofline")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, scheduling, startup, "
+                                         "kernels, roofline")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bench_sub.add_parser("throughput", help="offline throughput of a workload (minivllm or --backend hf)")
@@ -308,6 +316,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed", "trace_file", "enable_chunked_prefill", "scheduling_policy"))
     p.set_defaults(func=cmd_scheduling)
+
+    p = bench_sub.add_parser("startup", help="wall time and peak RSS of generate, LLM() and serve, each in a fresh "
+                                             "process, with warm and cold caches")
+    p.add_argument("--cases", nargs="+", choices=("generate", "llm", "serve"), default=["generate", "llm", "serve"])
+    p.add_argument("--num-runs", type=int, default=5, help="runs per case with warm caches")
+    p.add_argument("--num-cold-runs", type=int, default=1, help="runs per case with an empty cache directory")
+    p.add_argument("--model", default=None, help="GGUF file or checkpoint directory (default: SmolLM2)")
+    _output_args(p, progress=False)
+    p.set_defaults(func=cmd_startup)
 
     p = bench_sub.add_parser("kernels", help="the CPU fast paths (bf16) against the torch code they replace")
     p.add_argument("--model", default=None, help="checkpoint whose shapes are measured (default: SmolLM2)")
