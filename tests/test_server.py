@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,6 +116,17 @@ def test_health_models_and_metrics(server: ServerProcess, client: openai.OpenAI,
                  "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
                  "request_queue_time_seconds_count"):
         assert f"minivllm:{name}" in metrics, name
+
+
+def test_ready_line_splits_start_up_and_the_warm_up_leaves_no_trace(server: ServerProcess) -> None:
+    line = next(x for x in server.log.read_text().splitlines() if x.startswith("minivllm: ready in "))
+    total = float(re.match(r"minivllm: ready in ([0-9.]+) s", line).group(1))
+    phases = {name: float(s) for name, s in re.findall(r"([a-z][a-z ]*?) ([0-9.]+) s", line.split("(", 1)[1])}
+    assert set(phases) == {"import", "kernels", "weights", "tokenizer", "kv pool", "warm up", "chat template",
+                           "server"}
+    assert sum(phases.values()) == pytest.approx(total, abs=0.05)
+    metrics = scrape(server.url)  # runs before any request of this module: the warm-up's token is not counted
+    assert metrics["minivllm:prompt_tokens_total"] == metrics["minivllm:generation_tokens_total"] == 0
 
 
 def test_completion_stream_equals_non_stream(client: openai.OpenAI, model_name: str) -> None:

@@ -99,3 +99,5 @@ def test_kv_pool_memory_is_committed_only_where_written() -> None:
     block_pages = pool[0][0].numel() * pool[0].element_size() // os.sysconf("SC_PAGE_SIZE") + 2
     for t in pool:  # one block written per layer: its few pages, not the tensor's thousands
         assert 0 < _pages_present(t) <= block_pages
+    for t in pool:  # and every slot never written reads as zero (the torch path must not see garbage)
+        assert int(t.count_nonzero()) <= t[0].numel()
