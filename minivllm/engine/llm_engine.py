@@ -75,6 +75,15 @@ class LLMEngine:
         if self.config.max_model_len and self.config.max_model_len > capacity:
             raise ValueError(f"max_model_len {self.config.max_model_len} needs more KV cache than the "
                              f"{num_blocks} blocks x {self.config.block_size} tokens configured")
+        # Sliding-window attention is not implemented: within the window it is plain causal attention,
+        # so sequences are kept within it rather than silently attending past it.
+        window = self.model_config.sliding_window
+        if window and wanted > window:
+            if self.config.max_model_len:
+                raise ValueError(f"max_model_len {wanted} exceeds the model's sliding window of {window} tokens; "
+                                 "minivllm does not implement sliding-window attention, so at most "
+                                 f"max_model_len={window} is exact")
+            wanted = window
         return min(wanted, capacity)
 
     # -- requests -----------------------------------------------------------------------------------
@@ -91,6 +100,12 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            # As vLLM's server (and the OpenAI API) answers; offline too here: a limit that can never be
+            # reached is the caller's mistake, and max_tokens=None means "up to the context".
+            raise ValueError(f"max_tokens is {params.max_tokens}, but the prompt has {len(token_ids)} tokens and "
+                             f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(token_ids)} "
+                             "new tokens fit")
         if params.n != 1:
             raise ValueError("n > 1 is served by LLM.generate and the server, which fan out; the engine takes n=1")
         if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):  # the sampler indexes by them
@@ -233,6 +248,11 @@ class LLMEngine:
                                       seq.cumulative_logprob if seq.logprobs is not None else None)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.metrics)
+
+    def flush_trace(self) -> None:
+        """Bring the trace files up to date (the Chrome trace is rewritten whole), if one is kept."""
+        if self.tracer:
+            self.tracer.flush()
 
     def close(self) -> None:
         """Write out the trace, if one is kept."""

@@ -28,7 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -167,6 +167,12 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str | list[TextPart] | None, _only("a string or a list of {type: 'text', text} parts")] = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a {self.role} message")
+        return self
 
     def template_dict(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
