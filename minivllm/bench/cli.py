@@ -232,12 +232,13 @@ def cmd_scheduling(args: argparse.Namespace) -> None:
 
 
 def cmd_kernels(args: argparse.Namespace) -> None:
-    from minivllm.bench.kernels import decode_attention, format_timings, layer_op_timings, linears
+    from minivllm.bench.kernels import decode_attention, format_timings, layer_op_timings, linears, prefill_attention
     from minivllm.model.loader import load_checkpoint, resolve_model_path
 
     model_config, _ = load_checkpoint(resolve_model_path(args.model))
     timings = [*linears(model_config, args.rows),
                *(decode_attention(model_config, n, args.context) for n in args.num_seqs),
+               *(prefill_attention(model_config, n) for n in args.prefill_tokens),
                *layer_op_timings(model_config, args.op_rows)]
     print(format_timings(timings))
     write_json(args.output_json, {"timings": [{**asdict(t), "speedup": t.speedup} for t in timings]})
@@ -318,6 +319,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=_ints, default=[1, 4, 8, 16, 64], help="token rows of the layer GEMMs")
     p.add_argument("--num-seqs", type=_ints, default=[1, 64], help="sequences of the decode attention")
     p.add_argument("--context", type=int, default=300, help="tokens already cached per sequence")
+    p.add_argument("--prefill-tokens", type=_ints, default=[512, 2048], help="prompt lengths of the prefill attention")
     p.add_argument("--op-rows", type=_ints, default=[1, 64, 2048], help="token rows of the fused layer ops")
     _output_args(p, progress=False)
     p.set_defaults(func=cmd_kernels)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.bench.roofline import best_time, model_gemms
-from minivllm.model.attention import AttentionMetadata, decode_mask, kv_cache_shapes, paged_attention
+from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes, paged_attention
 from minivllm.model.kernels import attention_kernel, gemm, layer_ops
 from minivllm.model.llama import RMSNorm, apply_rotary
 from minivllm.model.loader import ModelConfig
@@ -79,6 +79,34 @@ def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_siz
     best = fast or plain
     return KernelTiming(f"decode attention, {num_seqs} seqs x {context} tokens, {config.num_hidden_layers} layers",
                         plain * 1e3, fast and fast * 1e3, f"K/V read at {kv_bytes / best / 1e9:.1f} GB/s")
+
+
+def prefill_attention(config: ModelConfig, tokens: int, block_size: int = 16) -> KernelTiming:
+    """One fresh prompt's attention in every layer (KV write included): the native kernel, which treats
+    each query as a decode at its position (batch invariance), against causal scaled_dot_product_attention."""
+    kv_heads, head_dim, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
+    num_blocks = -(-tokens // block_size)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    caches = [(torch.zeros(k_shape, dtype=BF16), torch.zeros(v_shape, dtype=BF16))
+              for _ in range(config.num_hidden_layers)]
+    slots = torch.arange(tokens)
+    one = torch.tensor([1])
+    meta = AttentionMetadata(slot_blocks=slots // block_size, slot_offsets=slots % block_size,
+                             span_starts=torch.tensor([0]), span_lens=torch.tensor([tokens]), span_ctx0=one,
+                             block_tables=torch.arange(num_blocks)[None], prefills=[PrefillSpan(0, tokens, tokens)])
+    q = torch.randn(tokens, heads, head_dim, dtype=BF16)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=BF16) for _ in range(2))
+
+    def step(m: AttentionMetadata) -> None:
+        for k_cache, v_cache in caches:
+            paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
+
+    kernel = attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
+    with torch.inference_mode():
+        plain = best_time(lambda: step(meta), CPU)
+        fast = kernel and best_time(lambda: step(replace(meta, kernel=kernel)), CPU)
+    return KernelTiming(f"prefill attention, 1 prompt x {tokens} tokens, {config.num_hidden_layers} layers",
+                        plain * 1e3, fast and fast * 1e3, "native: each query as a decode at its position")
 
 
 def layer_op_timings(config: ModelConfig, rows: list[int]) -> list[KernelTiming]:
