@@ -53,7 +53,7 @@ class StructuredOutputsParams:
             value = getattr(self, f.name)
             if value not in (None, False):
                 if f.name == "json" and isinstance(value, dict):
-                    value = json.dumps(value, sort_keys=True)
+                    value = json.dumps(value)  # key order kept: it is the order the output follows
                 elif f.name == "choice":
                     value = json.dumps(list(value))
                 return f.name, str(value)

@@ -14,7 +14,8 @@ takes JSON schema, regex and EBNF grammars, and is vLLM's default backend. Compi
 the step loop: a request waits, unscheduled, until its grammar is ready (as in vLLM v1).
 
 JSON grammars use fixed separators (", " and ": ") and no other whitespace, so a small model cannot
-loop on spaces or newlines inside a JSON value.
+loop on spaces or newlines inside a JSON value; and a schema's objects take only the properties it
+names (xgrammar's strict mode), else a small model goes on inventing keys until max_tokens.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class StructuredOutputManager:
         c = self.compiler
         try:
             if kind == "json":
-                return c.compile_json_schema(text, any_whitespace=False, strict_mode=False)
+                return c.compile_json_schema(text, any_whitespace=False)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
