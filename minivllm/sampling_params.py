@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
 
 _GREEDY_BELOW = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -156,10 +155,6 @@ class SamplingParams:
         return [replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + k)
                 for k in range(self.n)]
 
-    def token_ids_used(self) -> list[int]:
-        """Every token id the parameters name, for the engine to check against the vocabulary."""
-        return [*self.stop_token_ids, *(self.allowed_token_ids or []), *(self.logit_bias or {})]
-
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_strs
@@ -173,15 +168,3 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
 
-
-def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:
-    """A dict (as JSON sends it) or None into StructuredOutputsParams; ValueError naming the field."""
-    if value is None or isinstance(value, StructuredOutputsParams):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"structured_outputs must be an object, got {value!r}")
-    known = {f.name for f in fields(StructuredOutputsParams)}
-    unknown = set(value) - known
-    if unknown:
-        raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}; it takes {sorted(known)}")
-    return StructuredOutputsParams(**value)

@@ -12,8 +12,9 @@ import openai
 import pytest
 
 from minivllm.server.tools import HermesStream, parse_hermes
-from tests.test_server import ServerProcess, server_fixture
+from tests.test_server import ServerProcess, client, model_name, server_fixture  # noqa: F401 (fixtures)
 
+# The same fixtures as test_server.py's, over a server with the tool-aware template and parser.
 server = server_fixture("--chat-template", "chatml_tools", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 NAME = {"type": "string", "maxLength": 20}
@@ -57,16 +58,6 @@ SCHEMAS = [
     {"type": "object", "properties": {"vector": {"type": "array", "items": {"type": "number"}, "minItems": 2,
                                                  "maxItems": 2}, "label": NAME}, "required": ["vector", "label"]},
 ]
-
-
-@pytest.fixture(scope="module")
-def model_name(server: ServerProcess) -> str:
-    return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_twenty_schemas_streamed_and_not_beside_unconstrained_requests(server: ServerProcess, model_name: str) -> None:
@@ -228,6 +219,7 @@ BAD = [
     ({"prompt": "Hi", "structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"prompt": "Hi", "guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"prompt": "Hi", "allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ({"prompt": "Hi", "prompt_logprobs": 1}, "prompt_logprobs"),  # not yet: refused, not silently dropped
 ]
 
 

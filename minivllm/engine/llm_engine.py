@@ -100,6 +100,8 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
+        if params.prompt_logprobs is not None:  # the runner computes the logits of the last token only
+            raise ValueError("prompt_logprobs is not supported yet")
         if params.n != 1:
             raise ValueError("n > 1 is served by LLM.generate and the server, which fan out; the engine takes n=1")
         vocab = self.model_config.vocab_size

@@ -164,6 +164,7 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
     bad_words: list[str] | None = None
     allowed_token_ids: list[Int] | None = None
+    prompt_logprobs: Int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsRequest | None = None
@@ -191,6 +192,7 @@ class _GenerationRequest(_Strict):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=logit_bias or None, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
                 ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured)
         except ValueError as e:
