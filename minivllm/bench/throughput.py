@@ -18,9 +18,9 @@ from minivllm.model.loader import ModelConfig
 from minivllm.model.tokenizer import Tokenizer
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-# What --structured-output-ratio's requests must write: a JSON list of records of any length, so that
+# What --structured-output-ratio's requests must write: a JSON list of 4 or more records, so that
 # the grammar is live for the whole output (they end at EOS once the list closes, or at output_len).
-BENCH_SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
+BENCH_SCHEMA = {"type": "array", "minItems": 4, "items": {"type": "object", "properties": {
     "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16}, "tags": {
         "type": "array", "items": {"enum": ["red", "green", "blue"]}}}, "required": ["id", "name", "tags"]}}
 
