@@ -54,6 +54,8 @@ class LLM:
 
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int, tenant: str) -> list[str]:
         """Fan a request with n > 1 out into n engine requests (seeds kept distinct)."""
+        if params.structured_outputs is not None:  # a grammar the library rejects is a ValueError here
+            self.engine.structured_output.compile(params.structured_outputs).result()
         base = f"offline-{time.perf_counter_ns()}"
         return [self.engine.add_request(f"{base}-{k}", prompt, child, priority=priority, tenant=tenant)
                 for k, child in enumerate(params.fan_out())]

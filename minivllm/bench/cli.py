@@ -39,7 +39,8 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         tokenizer, model_config = load_tokenizer(config.model)
         result, requests = run_hf(config, spec, args.hf_batch_size, tokenizer, not args.disable_tqdm)
     else:
-        result, requests, model_config = run_minivllm(config, spec, not args.disable_tqdm)
+        result, requests, model_config = run_minivllm(config, spec, not args.disable_tqdm,
+                                                      args.structured_output_ratio)
     print(result.text())
     out = {"workload": spec, "engine": asdict(config), "result": result.to_dict(),
            "requests": requests_as_dicts(requests)}
@@ -254,6 +255,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("minivllm", "hf"), default="minivllm",
                    help="hf: Hugging Face transformers generate() on static, left-padded batches")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of --backend hf")
+    p.add_argument("--structured-output-ratio", type=float, default=0.0,
+                   help="share of requests constrained by a JSON schema (structured outputs), the rest "
+                        "unconstrained in the same run (default: 0)")
     p.add_argument("--roofline", action="store_true",
                    help="also measure this machine's roofline and report the run as a share of it")
     _output_args(p)
