@@ -42,6 +42,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3 normalizes q and k per head
+    sliding_window: int | None = None  # Mistral v0.1: each token attends to the last this many only
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -111,6 +112,8 @@ def _hf_config(path: Path) -> ModelConfig:
         rope_scaling=cfg.get("rope_scaling") or _rope_parameters_scaling(cfg),
         attention_bias=cfg.get("attention_bias", arch == "qwen2"),
         qk_norm=arch == "qwen3",
+        # Qwen2 configs carry a sliding_window they do not use unless use_sliding_window is set.
+        sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "qwen2") else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
     )
@@ -186,6 +189,7 @@ def _gguf_checkpoint(path: Path, dtype: torch.dtype | None
         rope_scaling=rope_scaling,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        sliding_window=meta("attention.sliding_window"),
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )

@@ -61,10 +61,14 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.hf.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+        """The prompt of a conversation, by the model's template or `chat_template` (which may render
+        `tools`: OpenAI tool definitions)."""
+        if not (chat_template or self.hf.chat_template):
             raise ValueError("this model has no chat template; use completions instead")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, tools=tools)
 
 
 _loaded: dict[Path, Tokenizer] = {}
