@@ -35,6 +35,7 @@ class BenchRequest:
     arrival: float = 0.0  # seconds after the start of the run
     kind: str = ""  # "short" or "long" in the mixed workload of `bench compare`
     tenant: str = "default"  # who sent it, for the fair policy
+    priority: int = 0  # for the priority policy: lower runs first
 
     @property
     def prompt_len(self) -> int:
@@ -80,6 +81,20 @@ class TextCorpus:
             if len(ids) == length:
                 return text, ids
         return text, ids
+
+
+class TokenWindows(TextCorpus):
+    """TextCorpus's draws (so a seed gives the same lengths and arrivals) without the per-prompt
+    decode/encode round trip: token ids only, cheap enough for the simulator's 100k requests."""
+
+    def window(self, length: int, rng: np.random.Generator) -> tuple[str, list[int]]:
+        n = max(1, min(length - self.num_special, len(self.token_ids)))
+        start = int(rng.integers(0, len(self.token_ids) - n + 1))
+        return "", self.specials + self.token_ids[start:start + n]
+
+    @functools.cached_property
+    def specials(self) -> list[int]:
+        return self.tokenizer.encode("")[:self.num_special]
 
 
 def uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
