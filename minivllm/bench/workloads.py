@@ -10,7 +10,7 @@ import argparse
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -253,5 +253,6 @@ def build_workload(spec: dict, tokenizer: Tokenizer, rng: np.random.Generator) -
 
 def requests_as_dicts(requests: list[BenchRequest]) -> list[dict]:
     """Per-request lengths (and arrivals) for a results file; the prompts themselves are left out."""
-    return [{k: v for k, v in asdict(r).items() if k not in ("prompt", "prompt_token_ids")}
-            | {"prompt_len": r.prompt_len} for r in requests]
+    # Not asdict(): it deep-copies every prompt, which dominates at the simulator's 100k requests.
+    names = [f.name for f in fields(BenchRequest) if f.name not in ("prompt", "prompt_token_ids")]
+    return [{k: getattr(r, k) for k in names} | {"prompt_len": r.prompt_len} for r in requests]
