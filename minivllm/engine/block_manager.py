@@ -17,6 +17,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_hash(parent: int | None, tokens: list[int]) -> int:
+    """A full block's name: its tokens and, through `parent`, every block before it."""
+    return hash((parent, tuple(tokens)))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
@@ -51,7 +56,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_full_blocks):
             parent = seq.block_hashes[i - 1] if i else None
-            seq.block_hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return seq.block_hashes
 
     def match_prefix(self, seq: Sequence) -> list[int]:

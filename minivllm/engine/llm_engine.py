@@ -3,6 +3,10 @@
     add_request -> Sequence(WAITING)
     step(): Scheduler.schedule -> ModelRunner.execute -> Sampler -> update (append, detokenize,
             check stops, free the blocks of finished sequences) -> RequestOutputs
+
+What it computes with (`ModelParts`) and its clock are injected: by default the loaded model and
+`time.perf_counter`; the simulator (bench/simulate.py) passes a cost model and a virtual clock, and
+runs this very step logic.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,29 +54,56 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Mo
     return model_config, LlamaForCausalLM.from_weights(model_config, weights, device, dtype), tokenizer
 
 
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    return config.num_kv_blocks or max(
+        1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, dtype))
+
+
+@dataclass
+class ModelParts:
+    """What the engine computes with: `runner.execute(SchedulerOutput)` returns what `sampler(that,
+    sampling sequences)` turns into a SamplerOutput. Without a tokenizer, prompts are token ids and
+    outputs carry no text."""
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    runner: Any
+    sampler: Any
+    num_blocks: int
+
+
+def load_parts(config: EngineConfig) -> ModelParts:
+    """The real model: weights loaded, KV cache allocated."""
+    device, dtype = config.torch_device, config.torch_dtype
+    model_config, model, tokenizer = load_model(resolve_model_path(config.model), device, dtype)
+    num_blocks = num_kv_blocks(config, model_config, dtype)
+    return ModelParts(model_config, tokenizer, ModelRunner(model, num_blocks, config.block_size, device, dtype),
+                      Sampler(device, config.seed), num_blocks)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, parts: ModelParts | None = None,
+                 clock: Callable[[], float] = time.perf_counter, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.model_config, model, self.tokenizer = load_model(resolve_model_path(config.model), self.device, self.dtype)
-
-        num_blocks = config.num_kv_blocks or max(
-            1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(self.model_config, config.block_size, self.dtype))
+        self.clock = clock
+        parts = parts or load_parts(config)
+        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
+        self.runner, self.sampler, num_blocks = parts.runner, parts.sampler, parts.num_blocks
         self.max_model_len = self._max_model_len(num_blocks)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
-        self.sampler = Sampler(self.device, config.seed)
 
         static = config.scheduler == "static"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not static)
         policy = POLICIES[config.scheduling_policy]()
-        self.scheduler = (StaticBatchScheduler(config, self.block_manager, policy, max_model_len=self.max_model_len)
-                          if static else Scheduler(config, self.block_manager, policy))
+        self.scheduler = (StaticBatchScheduler(config, self.block_manager, policy, clock=clock,
+                                               max_model_len=self.max_model_len)
+                          if static else Scheduler(config, self.block_manager, policy, clock=clock))
         self.requests: dict[str, Sequence] = {}  # unfinished requests
         self._structured_output: StructuredOutputManager | None = None  # made on first use
         self._structured_output_lock = threading.Lock()
         self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
         self._ids = itertools.count()
-        self.start_time = time.perf_counter()
+        self.start_time = clock()
         self.tracer = StepTracer(config.trace_file, self.start_time) if config.trace_file else None
         # Seconds spent in each phase of step(); the runner splits "model" into input preparation
         # and the forward pass (runner.prepare_time).
@@ -123,10 +156,14 @@ class LLMEngine:
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):  # the sampler indexes by them
             if any(t >= vocab for t in getattr(params, name) or []):
                 raise ValueError(f"{name} must hold token ids < the vocabulary size {vocab}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine has none")
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         seq = Sequence(request_id, text, token_ids, params,
-                       RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
-                       priority=priority, tenant=str(tenant), eos_token_ids=tuple(self.tokenizer.eos_token_ids))
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                       RequestMetrics(arrival_time=self.clock() if arrival_time is None else arrival_time),
+                       priority=priority, tenant=str(tenant), eos_token_ids=tuple(eos))
+        if self.tokenizer:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         seq.bad_words_token_ids = self._bad_words(params.bad_words or [])
         if params.structured_outputs is not None:
             seq.grammar_future = self.structured_output.compile(params.structured_outputs)
@@ -160,6 +197,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: the prompt must be token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
@@ -203,7 +242,7 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t_start = time.perf_counter()
+        t_start = self.clock()
         self._start_grammars()
         outputs = [self._make_output(s) for s in self._aborted]
         self._aborted = []
@@ -211,12 +250,12 @@ class LLMEngine:
         if not sched.scheduled:
             self._wait_for_grammars()
             return outputs
-        t_scheduled = time.perf_counter()
+        t_scheduled = self.clock()
         sampling = [s for s, n in sched.scheduled if will_sample(s, n)]
         logits = self.runner.execute(sched)
-        t_forward = time.perf_counter()
+        t_forward = self.clock()
         sampled = self.sampler(logits, sampling) if sampling else None
-        t_sampled = time.perf_counter()
+        t_sampled = self.clock()
         self.scheduler.on_step_done(sched)
         for i, seq in enumerate(sampling):
             self._append(seq, sampled.token_ids[i], sampled.logprobs[i], t_sampled)
@@ -226,7 +265,7 @@ class LLMEngine:
         times["schedule"] += t_scheduled - t_start
         times["model"] += t_forward - t_scheduled
         times["sample"] += t_sampled - t_forward
-        times["update"] += time.perf_counter() - t_sampled
+        times["update"] += self.clock() - t_sampled
         return outputs
 
     def _count(self, sched: SchedulerOutput, t_start: float, finished: list[Sequence]) -> None:
@@ -235,7 +274,7 @@ class LLMEngine:
         self.stats["prompt_tokens"] += sched.num_prefill_tokens
         if self.tracer:
             bm, t0 = self.block_manager, self.start_time
-            row = StepRow(self.stats["num_steps"], t_start - t0, time.perf_counter() - t0,
+            row = StepRow(self.stats["num_steps"], t_start - t0, self.clock() - t0,
                           sched.num_scheduled_tokens + sched.num_padding_tokens, sched.num_prefill_tokens,
                           sched.num_decode_tokens, sched.num_padding_tokens, self.scheduler.num_running,
                           self.scheduler.num_waiting, bm.num_used_blocks, bm.num_blocks, len(sched.preempted),
@@ -255,7 +294,7 @@ class LLMEngine:
             seq.cumulative_logprob += logprobs[token]
         if seq.grammar is not None and not seq.grammar.accept(token) and token not in seq.eos_token_ids:
             logger.warning("request %s: token %d is outside its grammar", seq.request_id, token)
-        delta = seq.detokenizer.add(token)
+        delta = seq.detokenizer.add(token) if seq.detokenizer else ""
         reason = self._stop_reason(seq, token, delta)
         if reason:
             self.requests.pop(seq.request_id, None)
@@ -293,7 +332,7 @@ class LLMEngine:
         return False
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
-        text = seq.detokenizer.text
+        text = seq.detokenizer.text if seq.detokenizer else ""
         p = seq.params
         if not seq.is_finished and p.stop_strings and not p.include_stop_str_in_output:
             # Hold back what may be the start of a stop string, so that a stream never shows it.

@@ -32,12 +32,16 @@ COLUMNS = [f.name for f in fields(StepRow)]
 
 
 class StepTracer:
-    def __init__(self, path: str | Path, t0: float) -> None:
-        self.csv_path = Path(path)
-        self.json_path = self.csv_path.with_suffix(".json")
-        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+    """Keeps the rows; with a `path`, also writes them there and the Chrome trace beside it."""
+
+    def __init__(self, path: str | Path | None, t0: float) -> None:
         self.t0 = t0
         self.rows: list[StepRow] = []
+        self.csv_path = Path(path) if path else None
+        if self.csv_path is None:
+            return
+        self.json_path = self.csv_path.with_suffix(".json")
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.csv_path, "w", newline="")
         self._writer = csv.writer(self._file)
         self._writer.writerow(COLUMNS)
@@ -48,6 +52,8 @@ class StepTracer:
 
     def record(self, row: StepRow, sched: SchedulerOutput, finished: list[Sequence]) -> None:
         self.rows.append(row)
+        if self.csv_path is None:
+            return
         self._writer.writerow(astuple(row))
         self._file.flush()
         t0, t1 = row.t_start, row.t_end
@@ -95,5 +101,7 @@ class StepTracer:
                                               "displayTimeUnit": "ms"}))
 
     def close(self) -> None:
+        if self.csv_path is None:
+            return
         self.flush()
         self._file.close()
