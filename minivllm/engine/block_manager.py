@@ -62,8 +62,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of `seq`; the last token is always left to compute,
         because its logits are needed to sample."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt_logprobs needs every prompt position's logits, as in vLLM
         bs = self.block_size
         num_full = (seq.num_tokens - 1) // bs
         hits: list[int] = []

@@ -26,7 +26,7 @@ import torch
 from minivllm.config import EngineConfig, parse_size
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.policies import POLICIES
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput, will_sample
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput, prompt_logprob_positions, will_sample
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
@@ -148,8 +148,6 @@ class LLMEngine:
             raise ValueError(f"max_tokens is {params.max_tokens}, but the prompt has {len(token_ids)} tokens and "
                              f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(token_ids)} "
                              "new tokens fit")
-        if params.prompt_logprobs is not None:  # the runner computes the logits of the last token only
-            raise ValueError("prompt_logprobs is not supported yet")
         if params.n != 1:
             raise ValueError("n > 1 is served by LLM.generate and the server, which fan out; the engine takes n=1")
         vocab = self.model_config.vocab_size
@@ -254,6 +252,9 @@ class LLMEngine:
         sampling = [s for s, n in sched.scheduled if will_sample(s, n)]
         logits = self.runner.execute(sched)
         t_forward = self.clock()
+        if logits is not None and logits.shape[0] > len(sampling):  # rows past the sampling ones: prompt_logprobs
+            self._score_prompts(sched, logits[len(sampling):])
+            logits = logits[:len(sampling)]
         sampled = self.sampler(logits, sampling) if sampling else None
         t_sampled = self.clock()
         self.scheduler.on_step_done(sched)
@@ -267,6 +268,22 @@ class LLMEngine:
         times["sample"] += t_sampled - t_forward
         times["update"] += self.clock() - t_sampled
         return outputs
+
+    @staticmethod
+    def _score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Append prompt_logprobs from the runner's extra rows: per scheduled sequence that asks, one row
+        per position of prompt_logprob_positions, in the order of sched.scheduled."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        row = 0
+        for seq, n in sched.scheduled:
+            for p in prompt_logprob_positions(seq, n):
+                token, k = seq.prompt_token_ids[p + 1], seq.params.prompt_logprobs
+                entry = {token: logp[row, token].item()}
+                if k:
+                    values, ids = logp[row].topk(k)
+                    entry.update(zip(ids.tolist(), values.tolist()))
+                seq.prompt_logprobs.append(entry)
+                row += 1
 
     def _count(self, sched: SchedulerOutput, t_start: float, finished: list[Sequence]) -> None:
         self.stats["num_steps"] += 1
@@ -341,7 +358,7 @@ class LLMEngine:
                                       list(seq.logprobs) if seq.logprobs is not None else None,
                                       seq.cumulative_logprob if seq.logprobs is not None else None)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.metrics)
+                             seq.metrics, list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
 
     def flush_trace(self) -> None:
         """Bring the trace files up to date (the Chrome trace is rewritten whole), if one is kept."""

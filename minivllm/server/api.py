@@ -386,6 +386,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extension: per prompt token (None for the first), {token id: {logprob, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -456,6 +458,7 @@ class Delta:
     text_offset: int  # where `text` starts in the choice's whole text
     finish_reason: str | None
     stop_reason: int | str | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # in the choice's first delta, when asked
 
 
 @dataclass
@@ -482,7 +485,7 @@ class ChoiceTracker:
             return None
         d = Delta(index, c.text[cur.text_len:], new_tokens,
                   c.logprobs[cur.num_tokens:] if c.logprobs is not None else None, cur.text_len,
-                  c.finish_reason, c.stop_reason)
+                  c.finish_reason, c.stop_reason, out.prompt_logprobs if cur.num_tokens == 0 else None)
         cur.text_len, cur.num_tokens = len(c.text), len(c.token_ids)
         return d
 
@@ -492,8 +495,9 @@ class ChoiceTracker:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _whole(index: int, c: CompletionOutput) -> Delta:
-    return Delta(index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason, c.stop_reason)
+def _whole(index: int, out: RequestOutput) -> Delta:
+    c = out.outputs[0]
+    return Delta(index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason, c.stop_reason, out.prompt_logprobs)
 
 
 class _Formatter(ABC):
@@ -549,8 +553,12 @@ class _CompletionFormatter(_Formatter):
             top_logprobs=[{self.token_text(k): v for k, v in self._top(e)} for e in d.logprobs], text_offset=offsets)
 
     def choice(self, d: Delta) -> CompletionChoice:
+        prompt_logprobs = None if d.prompt_logprobs is None else [
+            None if e is None else {str(t): {"logprob": v, "decoded_token": self.token_text(t)} for t, v in e.items()}
+            for e in d.prompt_logprobs]
         return CompletionChoice(index=d.index, text=self._text(d), logprobs=self._logprobs(d),
-                                finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                                finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                                prompt_logprobs=prompt_logprobs)
 
     def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
         return CompletionResponse(**base, object=self.object, choices=[self.choice(d) for d in choices], usage=usage)
@@ -688,7 +696,7 @@ class OpenAIServer:
             raise APIError(400, "suffix: fill-in-the-middle is not supported: the served model has no FIM "
                                 "template (prefix/suffix/middle tokens)", "suffix", "unsupported")
         if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo",
+            raise APIError(400, "echo with logprobs is not supported; prompt_logprobs gives the prompt's", "echo",
                            "unsupported")
         params = body.sampling_params(body.max_tokens, body.logprobs, await self._structured(body))
         prompts = _completion_prompts(body.prompt)
@@ -781,7 +789,7 @@ class OpenAIServer:
             return Response(status_code=499)
         for out in finals:
             tracker.delta(out)
-        choices = [_whole(tracker.index_of[o.request_id], o.outputs[0]) for o in finals]
+        choices = [_whole(tracker.index_of[o.request_id], o) for o in finals]
         return JSONResponse(fmt.response(base, sorted(choices, key=lambda d: d.index), tracker.usage()).model_dump(),
                             headers=headers)
 
