@@ -3,6 +3,7 @@ downloaded), for the tests that look at the dashboard in a real browser."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import re
@@ -27,6 +28,7 @@ class Browser:
     def __init__(self, executable: str, width: int = 1400, height: int = 1600) -> None:
         from websockets.sync.client import connect
 
+        self._stack = contextlib.ExitStack()
         self._profile = tempfile.TemporaryDirectory(prefix="minivllm-chromium-")
         self.proc = subprocess.Popen(
             [executable, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
@@ -35,7 +37,7 @@ class Browser:
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         port = self._devtools_port()
         pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list").json() if t["type"] == "page"]
-        self._ws = connect(pages[0]["webSocketDebuggerUrl"], max_size=2**26)
+        self._ws = self._stack.enter_context(connect(pages[0]["webSocketDebuggerUrl"], max_size=2**26))
         self._ids = itertools.count(1)
 
     def _devtools_port(self, timeout: float = 60) -> int:
@@ -70,10 +72,10 @@ class Browser:
         return result["result"].get("value")
 
     def wait_for(self, expression: str, timeout: float) -> Any:
-        """Poll `expression` until it is truthy; returns its value."""
+        """Poll `expression` until it is truthy (one that throws, as while the page loads, is false)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if value := self.evaluate(expression):
+            if value := self.evaluate(f"(() => {{ try {{ return ({expression}); }} catch {{ return null; }} }})()"):
                 return value
             time.sleep(0.25)
         raise TimeoutError(f"still false after {timeout} s: {expression}")
@@ -84,8 +86,7 @@ class Browser:
             f.write(base64.b64decode(data))
 
     def close(self) -> None:
-        if getattr(self, "_ws", None):
-            self._ws.close()
+        self._stack.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -296,7 +296,7 @@ def test_page_shows_the_live_step_loop(server: ServerProcess, browser: Browser, 
     try:
         browser.wait_for(f"Number(document.querySelector('[data-stat=steps]').textContent) > {before}", 120)
         rising = number(browser, "steps")
-        browser.wait_for("document.querySelector('.request[data-state=prefill], .request[data-state=decode]')", 120)
+        browser.wait_for("document.querySelector('.request[data-state=prefill], .request[data-state=decode]') !== null", 120)
         browser.wait_for(f"Number(document.querySelector('[data-stat=steps]').textContent) > {rising}", 120)
     finally:
         load.join()
