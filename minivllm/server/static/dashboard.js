@@ -115,7 +115,8 @@ class Panel {
       ctx.beginPath(); ctx.moveTo(left, c.y(v)); ctx.lineTo(w, c.y(v)); ctx.stroke();
       ctx.fillText(Math.round(v), 2, c.y(v) + 3);
     }
-    for (let s = 0; s <= WINDOW; s += 15) ctx.fillText(s === WINDOW ? "now" : `-${WINDOW - s}s`, c.x(now - WINDOW + s) - 10, h - 3);
+    for (let s = 0; s < WINDOW; s += WINDOW / 4) ctx.fillText(`-${Math.round(WINDOW - s)}s`, c.x(now - WINDOW + s) - 10, h - 3);
+    ctx.fillText("now", w - 22, h - 3);
     return c;
   }
 
@@ -161,8 +162,9 @@ class Panel {
     const w = svg.clientWidth || 800, h = rows.length * ROW_H + 16;
     const x = t => LABEL_W + Math.max(0, (t - (now - WINDOW)) / WINDOW) * (w - LABEL_W - 4);
     svg.setAttribute("height", h);
-    const axis = [0, 15, 30, 45, 60].map(s => el("text", {x: x(now - WINDOW + s * WINDOW / 60) - 10, y: h - 2},
-                                                  s === 60 ? "now" : `-${Math.round(WINDOW - s * WINDOW / 60)}s`));
+    const axis = [0, 1, 2, 3].map(k => el("text", {x: x(now - WINDOW + k * WINDOW / 4) - 10, y: h - 2},
+                                         `-${Math.round(WINDOW - k * WINDOW / 4)}s`));
+    axis.push(el("text", {x: w - 4, y: h - 2, "text-anchor": "end"}, "now"));
     svg.replaceChildren(...axis, ...rows.map((q, i) => {
       const g = el("g", {class: "request", "data-id": q.id, "data-state": q.end !== null ? "finished" : q.last.state,
                          transform: `translate(0, ${i * ROW_H + 2})`});
