@@ -92,7 +92,7 @@ class RequestStates:
         for seq in sched.preempted:
             self._state[seq.request_id] = ("preempted", seq.num_output_tokens)
             events.append(self._event(seq, "preempted", row.t_start))
-        for (seq, n), decode in zip(sched.scheduled, sched.decode_flags):
+        for (seq, _), decode in zip(sched.scheduled, sched.decode_flags):
             state, outputs = self._state.get(seq.request_id, ("waiting", 0))
             sampled = seq.num_output_tokens > outputs  # the step computed its last uncomputed token
             if not decode:
