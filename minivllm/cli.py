@@ -106,10 +106,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model.loader import resolve_model_path
     from minivllm.server import ServerOptions, serve
+    from minivllm.server.tools import load_chat_template
 
     config = EngineConfig.from_cli_args(args, **({"model": args.model_tag} if args.model_tag else {}))
     options = ServerOptions(args.served_model_name or config.model or resolve_model_path(None).stem, args.api_key,
-                            args.max_waiting_requests)
+                            args.max_waiting_requests, load_chat_template(args.chat_template),
+                            args.enable_auto_tool_choice, args.tool_call_parser)
     serve(LLMEngine(config), options, args.host, args.port)
 
 
@@ -150,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $MINIVLLM_API_KEY)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 while this many requests wait (default: no limit)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file path or the template itself) instead of the model's; "
+                        "'chatml_tools' is the tool-aware ChatML template shipped with minivllm")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read out of the model's text (hermes: <tool_call>{json}</tool_call>)")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -15,6 +16,7 @@ from minivllm.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(model=model, **engine_args)
+        weakref.finalize(self, self.engine.close)  # the trace's last lines, when the LLM goes or at exit
 
     def get_tokenizer(self):
         return self.engine.tokenizer.hf
@@ -52,6 +54,8 @@ class LLM:
 
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int, tenant: str) -> list[str]:
         """Fan a request with n > 1 out into n engine requests (seeds kept distinct)."""
+        if params.structured_outputs is not None:  # a grammar the library rejects is a ValueError here
+            self.engine.structured_output.compile(params.structured_outputs).result()
         base = f"offline-{time.perf_counter_ns()}"
         return [self.engine.add_request(f"{base}-{k}", prompt, child, priority=priority, tenant=tenant)
                 for k, child in enumerate(params.fan_out())]
@@ -71,6 +75,7 @@ class LLM:
                     bar.set_postfix_str(f"input: {in_toks / elapsed:.1f} toks/s, output: {out_toks / elapsed:.1f} toks/s")
                     bar.update(1)
         bar.close()
+        self.engine.flush_trace()
         return [_merge([finished[rid] for rid in ids]) for ids in request_ids]
 
     def _drain(self) -> None:

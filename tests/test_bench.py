@@ -250,10 +250,12 @@ def test_latency_end_to_end(tmp_path):
 
 
 def test_kernels_end_to_end(tmp_path):
-    res = run_json(tmp_path, "kernels", "--rows", "1,9", "--num-seqs", "2", "--context", "20", "--op-rows", "3")
+    res = run_json(tmp_path, "kernels", "--rows", "1,9", "--num-seqs", "2", "--context", "20", "--op-rows", "3",
+                   "--prefill-tokens", "40")
     what = [t["what"] for t in res["timings"]]
     assert what == ["120 layer GEMMs x 1 rows", "120 layer GEMMs x 9 rows",
                     "decode attention, 2 seqs x 20 tokens, 30 layers",
+                    "prefill attention, 1 prompt x 40 tokens, 30 layers",
                     "add + RMSNorm, 3 rows", "SiLU and mul, 3 rows", "RoPE on q and k, 3 rows"]
     assert all(t["torch_ms"] > 0 for t in res["timings"])
     for t in res["timings"]:

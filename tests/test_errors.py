@@ -42,6 +42,18 @@ def test_prompt_longer_than_max_model_len(small_kv_llm: LLM) -> None:
     assert_still_serves(small_kv_llm)
 
 
+def test_max_tokens_beyond_the_context_is_refused(small_kv_llm: LLM) -> None:
+    """As vLLM's server answers (offline too here): max_tokens that cannot fit is an error, not a clamp."""
+    max_len = small_kv_llm.engine.max_model_len
+    with pytest.raises(ValueError, match=f"max_tokens is 100000000, but the prompt has 10 tokens and max_model_len "
+                                         f"is {max_len}: at most {max_len - 10} new tokens fit"):
+        small_kv_llm.engine.add_request(None, [42] * 10, SamplingParams(max_tokens=100_000_000))
+    out = small_kv_llm.generate({"prompt_token_ids": [42] * 10}, SamplingParams(max_tokens=max_len - 10, temperature=0,
+                                                                                ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == max_len - 10 and out.outputs[0].finish_reason == "length"
+    assert_still_serves(small_kv_llm)
+
+
 def test_a_bad_prompt_rejects_its_whole_batch_and_leaks_nothing(llm: LLM) -> None:
     with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
         llm.generate(["Hello", ""], SamplingParams(max_tokens=4), use_tqdm=False)

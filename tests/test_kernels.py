@@ -1,6 +1,7 @@
-"""The native CPU kernels against the torch code they replace (decode attention against
-scaled_dot_product_attention, the fused layer ops against the model's torch fallbacks, the few-row
-linear against F.linear), and the all-torch model against the native one on the real model."""
+"""The native CPU kernels against the torch code they replace (paged attention against
+scaled_dot_product_attention, the fused layer ops against the model's torch fallbacks, the GEMM
+against float32 matmul), each kernel's batch invariance (a row's bits never depend on the other rows),
+and the all-torch model against the native one on the real model."""
 from __future__ import annotations
 
 import pytest
@@ -8,44 +9,59 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.model.attention import kv_cache_shapes
-from minivllm.model.kernels import (SMALL_LINEAR_ROWS, decode_attention_kernel, layer_ops, paged_decode_attention,
-                                    small_linear, small_linear_kernel)
+from minivllm.model.kernels import attention_kernel, gemm, layer_ops, paged_attention_native
 from minivllm.model.llama import RMSNorm, apply_rotary
 from tests.helpers import EQUALITY_PROMPTS, greedy
 
 
-def reference(q, k_cache, v_cache, tables, context_lens, scale):
-    block_size = k_cache.shape[3]
-    keys = torch.cat([k_cache[tables[:, i]].transpose(2, 3) for i in range(tables.shape[1])], dim=2).float()
-    values = torch.cat([v_cache[tables[:, i]] for i in range(tables.shape[1])], dim=2).float()
-    mask = (torch.arange(tables.shape[1] * block_size)[None] < context_lens[:, None])[:, None, None, :]
-    return F.scaled_dot_product_attention(q.float().unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
-                                          enable_gqa=True).squeeze(2)
+def reference(q, k_cache, v_cache, table, context_len, scale):
+    """One query row [heads, head_dim] over the first context_len tokens of its blocks, in float32."""
+    keys = torch.cat([k_cache[b].transpose(1, 2) for b in table.tolist()], dim=1)[:, :context_len].float()
+    values = torch.cat([v_cache[b] for b in table.tolist()], dim=1)[:, :context_len].float()
+    return F.scaled_dot_product_attention(q.float()[None, :, None], keys[None], values[None], scale=scale,
+                                          enable_gqa=True)[0, :, 0]
+
+
+def _attend(kernel, q, k_cache, v_cache, tables, spans, scale):
+    """Run the kernel over spans [(first row, rows, context of the first query)]; padding rows stay 0."""
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    starts, lens, ctx0 = (torch.tensor(c, dtype=torch.long) for c in zip(*spans))
+    paged_attention_native(kernel, q, k_cache, v_cache, tables, starts, lens, ctx0, scale, out)
+    return out
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
                          [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 1), (6, 2, 80, 32), (8, 2, 128, 16)])
-def test_kernel_matches_sdpa(dtype, tol, heads, kv_heads, head_dim, block_size):
-    kernel = decode_attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads, block_size)
+def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_heads, head_dim, block_size):
+    """Decodes and prefill chunks in one call, each row against SDPA; then every row again on its own, as
+    a decode at that position: the same bits (a token's attention does not depend on how it was batched)."""
+    kernel = attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads, block_size)
     if kernel is None:
         pytest.skip("no C compiler: the torch path is used")
     gen = torch.Generator().manual_seed(0)
-    num_blocks, num_seqs = 1200, 7
+    num_blocks, scale = 1200, head_dim ** -0.5
     k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(k_shape, generator=gen).to(dtype)
     v_cache = torch.randn(v_shape, generator=gen).to(dtype)
-    context_lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 150, 1 + 40 * block_size // 16])
-    max_blocks = int(-(-context_lens.max() // block_size))
+    # Three decodes (contexts 1, block_size + 1, 150), a fresh prompt of 21 tokens, a chunk of 13 after 37
+    # cached tokens, then 2 padding rows.
+    spans = [(0, 1, 1), (1, 1, block_size + 1), (2, 1, 150), (3, 21, 1), (24, 13, 38)]
+    max_blocks = -(-200 // block_size)
     # Scattered, non-overlapping blocks, padded like the runner pads (with block 0).
-    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(spans) * max_blocks].view(len(spans), max_blocks)
     # q as the model passes it: a view into the fused qkv output, rows wider than the heads.
-    qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    q = qkv[:, : heads * head_dim].view(num_seqs, heads, head_dim)
-    out = paged_decode_attention(kernel, q, k_cache, v_cache, tables, context_lens, head_dim ** -0.5)
-    assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, tables, context_lens, head_dim ** -0.5),
-                               atol=tol, rtol=tol)
+    qkv = torch.randn(39, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(39, heads, head_dim)
+    out = _attend(kernel, q, k_cache, v_cache, tables, spans, scale)
+    assert out.dtype == dtype and out.shape == q.shape and not out[37:].any()
+    for s, (first, rows, ctx0) in enumerate(spans):
+        for i in range(rows):
+            row = first + i
+            torch.testing.assert_close(out[row].float(), reference(q[row], k_cache, v_cache, tables[s], ctx0 + i, scale),
+                                       atol=tol, rtol=tol)
+            alone = _attend(kernel, q[row:row + 1], k_cache, v_cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale)
+            assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
 
 
 def _ops(dtype):
@@ -99,32 +115,42 @@ def test_layer_ops_match_torch(dtype, tokens):
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("rows", range(1, SMALL_LINEAR_ROWS + 1))
-def test_small_linear_matches_f_linear(rows):
-    kernel = small_linear_kernel(torch.device("cpu"), torch.bfloat16)
-    if kernel is None:
-        pytest.skip("no AVX512-BF16 compiler target here: F.linear is used")
-    gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(1001, 576, generator=gen).bfloat16()  # a row count that leaves a partial tile
-    x = torch.randn(rows, 576, generator=gen).bfloat16()
-    out = small_linear(kernel, x, weight)
-    assert out.shape == (rows, 1001) and out.dtype == torch.bfloat16
-    reference = x.float() @ weight.float().T  # float32 sums of the same bf16 products
-    torch.testing.assert_close(out.float(), reference, atol=0.1, rtol=1e-2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features,bias", [(1001, 576, False), (960, 576, True), (64, 1536, False)])
+def test_gemm_matches_matmul_and_is_batch_invariant(dtype, out_features, in_features, bias):
+    """The native GEMM against float32 matmul of the same inputs (partial panels, bias), and every row of a
+    300-row call equal, bit for bit, to the same row computed alone and in calls of other sizes."""
+    native = gemm(torch.device("cpu"), dtype, in_features)
+    if native is None:
+        pytest.skip("no native GEMM for this dtype here: F.linear is used")
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    packed, padded_bias = native.pack(weight, b)
+    x = torch.randn(300, in_features, generator=gen).to(dtype)
+    out = native.forward(x, packed, padded_bias, out_features)
+    assert out.shape == (300, out_features) and out.dtype == dtype
+    reference = x.float() @ weight.float().T + (0 if b is None else b.float())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=1e-2)  # bf16: the output's rounding
+    torch.testing.assert_close(out.float(), reference, **tol)
+    for first, rows in [(0, 1), (17, 1), (3, 5), (100, 13), (40, 97), (50, 250)]:
+        part = native.forward(x[first:first + rows], packed, padded_bias, out_features)
+        assert torch.equal(part, out[first:first + rows]), f"rows {first}..{first + rows} differ"
 
 
 def test_torch_fallback_gives_the_same_tokens(llm):
     """CUDA and machines without a compiler run the model in plain torch: same greedy tokens."""
     runner = llm.engine.runner
-    if runner.decode_kernel is None:
+    if not runner.batch_invariant:
         pytest.skip("no native kernels here: the fallback is what every other test runs")
     prompts = EQUALITY_PROMPTS[:4]
     with_kernels = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
-    kernel, runner.decode_kernel = runner.decode_kernel, None
+    kernel, runner.attention_kernel = runner.attention_kernel, None
     runner.model.use_native_kernels(False)
     try:
+        assert not runner.batch_invariant
         without = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
     finally:
-        runner.decode_kernel = kernel
+        runner.attention_kernel = kernel
         runner.model.use_native_kernels(True)
     assert with_kernels == without

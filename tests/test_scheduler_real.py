@@ -84,3 +84,18 @@ def test_continuous_trace_has_no_padding_and_admits_mid_flight(tmp_path) -> None
     assert all(r["num_padding_tokens"] == 0 for r in rows)
     assert any(r["num_prefill_tokens"] > 0 and r["num_decode_tokens"] > 0 for r in rows), \
         "a new request joins while others decode"
+
+
+def test_llm_writes_the_chrome_trace_after_each_generate(tmp_path) -> None:
+    """LLM(trace_file=...) keeps both files current without a close(): the CSV and the Chrome JSON."""
+    trace = tmp_path / "steps.csv"
+    llm = LLM(dtype="float32", num_kv_blocks=64, trace_file=str(trace))
+    from minivllm import SamplingParams
+    llm.generate(["Hi", "Hello there"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    events = json.loads(trace.with_suffix(".json").read_text())["traceEvents"]
+    assert {e["name"].split()[0] for e in events if e["ph"] == "X"} >= {"prefill", "decode"}
+    steps = len(read_trace(trace))
+    assert steps >= 3
+    llm.generate(["Once more"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(read_trace(trace)) > steps
+    assert len(json.loads(trace.with_suffix(".json").read_text())["traceEvents"]) > len(events)

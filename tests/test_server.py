@@ -264,8 +264,9 @@ MALFORMED = [
      400, "stream_options.include_usage"),
     ("stream_options_without_stream", "POST", CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}},
      400, "stream_options"),
-    ("unknown_field", "POST", CMPL, {"prompt": "hi", "best_of_luck": 3}, 400, "best_of_luck: unknown field"),
-    ("unsupported_penalty", "POST", CMPL, {"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("unknown_field_ill_typed_known_one", "POST", CMPL, {"prompt": "hi", "best_of_luck": 3, "min_p": "x"}, 400,
+     "min_p"),
+    ("penalty_out_of_range", "POST", CMPL, {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("wrong_model", "POST", CMPL, {"model": "gpt-4", "prompt": "hi"}, 404, "gpt-4"),
     ("oversized_body", "POST", CMPL, {"prompt": "x" * (5 * 2**20)}, 413, "too large"),
     ("chat_missing_messages", "POST", CHAT, {"max_tokens": 2}, 400, "messages: Field required"),
@@ -282,6 +283,14 @@ MALFORMED = [
     ("chat_wrong_model", "POST", CHAT, {"model": "nope", "messages": USER_HI}, 404, "nope"),
     ("chat_prompt_too_long", "POST", CHAT, {"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]},
      400, "max_model_len"),
+    ("max_tokens_beyond_context", "POST", CMPL, {"prompt": "hi", "max_tokens": 100_000_000}, 400,
+     f"max_model_len is {MAX_MODEL_LEN}"),
+    ("chat_max_tokens_beyond_context", "POST", CHAT, {"messages": USER_HI, "max_tokens": 100_000_000}, 400,
+     "max_tokens is 100000000"),
+    ("chat_user_without_content", "POST", CHAT, {"messages": [{"role": "user"}]}, 400,
+     "messages.0: content is required for a user message"),
+    ("chat_system_without_content", "POST", CHAT, {"messages": [{"role": "system", "content": None}, *USER_HI]}, 400,
+     "content is required for a system message"),
     ("unknown_path", "GET", "/v1/nothing", None, 404, "Not Found"),
     ("wrong_method", "GET", CMPL, None, 405, "Method Not Allowed"),
 ]
@@ -390,3 +399,41 @@ def test_sigterm_finishes_in_flight_then_exits_0(gated_server: ServerProcess) ->
     assert len(events) == max_tokens + 1  # the in-flight request finished
     assert gated_server.proc.wait(timeout=60) == 0
 
+
+
+# -- the same request, the same answer (issue 12) ------------------------------------------------------------
+bf16_server = server_fixture("--dtype", "bfloat16")  # the default dtype on CPUs with bf16 instructions
+
+
+def test_repeated_request_gives_identical_text_amid_other_traffic(bf16_server: ServerProcess) -> None:
+    """The report of issue 12: one chat request sent again and again (the repeats hit the prefix cache),
+    streamed and not, while other requests come and go, answers the same text every time."""
+    messages = [{"role": "user", "content": "Describe the colour blue to someone who has never seen it."}]
+
+    model = httpx.get(f"{bf16_server.url}/v1/models").json()["data"][0]["id"]
+
+    async def same(client: openai.AsyncOpenAI, stream: bool) -> str:
+        if not stream:
+            r = await client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+            return r.choices[0].message.content
+        chunks = await client.chat.completions.create(model=model, messages=messages, max_tokens=40,
+                                                      temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+    async def other(client: openai.AsyncOpenAI, i: int) -> None:
+        await client.completions.create(model=model, prompt=f"Tell tale number {i} " * (1 + i % 7),
+                                        max_tokens=8 + 3 * i, temperature=0.8)
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{bf16_server.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as client:
+            texts = []
+            for i in range(5):  # each repeat lands among other requests at another point of their lives
+                background = [asyncio.create_task(other(client, 3 * i + j)) for j in range(3)]
+                texts += await asyncio.gather(same(client, stream=False), same(client, stream=True))
+                await asyncio.gather(*background)
+            return texts
+
+    texts = asyncio.run(main())
+    assert len(set(texts)) == 1, texts
+    assert scrape(bf16_server.url)["minivllm:prefix_cache_hits_total"] > 0

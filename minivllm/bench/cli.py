@@ -39,7 +39,8 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         tokenizer, model_config = load_tokenizer(config.model)
         result, requests = run_hf(config, spec, args.hf_batch_size, tokenizer, not args.disable_tqdm)
     else:
-        result, requests, model_config = run_minivllm(config, spec, not args.disable_tqdm)
+        result, requests, model_config = run_minivllm(config, spec, not args.disable_tqdm,
+                                                      args.structured_output_ratio)
     print(result.text())
     out = {"workload": spec, "engine": asdict(config), "result": result.to_dict(),
            "requests": requests_as_dicts(requests)}
@@ -232,12 +233,13 @@ def cmd_scheduling(args: argparse.Namespace) -> None:
 
 
 def cmd_kernels(args: argparse.Namespace) -> None:
-    from minivllm.bench.kernels import decode_attention, format_timings, layer_op_timings, linears
+    from minivllm.bench.kernels import decode_attention, format_timings, layer_op_timings, linears, prefill_attention
     from minivllm.model.loader import load_checkpoint, resolve_model_path
 
     model_config, _ = load_checkpoint(resolve_model_path(args.model))
     timings = [*linears(model_config, args.rows),
                *(decode_attention(model_config, n, args.context) for n in args.num_seqs),
+               *(prefill_attention(model_config, n) for n in args.prefill_tokens),
                *layer_op_timings(model_config, args.op_rows)]
     print(format_timings(timings))
     write_json(args.output_json, {"timings": [{**asdict(t), "speedup": t.speedup} for t in timings]})
@@ -253,6 +255,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("minivllm", "hf"), default="minivllm",
                    help="hf: Hugging Face transformers generate() on static, left-padded batches")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of --backend hf")
+    p.add_argument("--structured-output-ratio", type=float, default=0.0,
+                   help="share of requests constrained by a JSON schema (structured outputs), the rest "
+                        "unconstrained in the same run (default: 0)")
     p.add_argument("--roofline", action="store_true",
                    help="also measure this machine's roofline and report the run as a share of it")
     _output_args(p)
@@ -318,6 +323,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=_ints, default=[1, 4, 8, 16, 64], help="token rows of the layer GEMMs")
     p.add_argument("--num-seqs", type=_ints, default=[1, 64], help="sequences of the decode attention")
     p.add_argument("--context", type=int, default=300, help="tokens already cached per sequence")
+    p.add_argument("--prefill-tokens", type=_ints, default=[512, 2048], help="prompt lengths of the prefill attention")
     p.add_argument("--op-rows", type=_ints, default=[1, 64, 2048], help="token rows of the fused layer ops")
     _output_args(p, progress=False)
     p.set_defaults(func=cmd_kernels)

@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.bench.roofline import best_time, model_gemms
-from minivllm.model.attention import AttentionMetadata, decode_mask, kv_cache_shapes, paged_attention
-from minivllm.model.kernels import (SMALL_LINEAR_ROWS, decode_attention_kernel, layer_ops, onednn_linear,
-                                    onednn_packed_weight, small_linear, small_linear_kernel)
+from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes, paged_attention
+from minivllm.model.kernels import attention_kernel, gemm, layer_ops
 from minivllm.model.llama import RMSNorm, apply_rotary
 from minivllm.model.loader import ModelConfig
 
@@ -31,26 +30,23 @@ class KernelTiming:
 
 
 def linears(config: ModelConfig, rows: list[int]) -> list[KernelTiming]:
-    """All decoder layers' GEMMs (one step's worth of weights, read cold) at each row count."""
+    """All decoder layers' GEMMs (one step's worth of weights, read cold) at each row count: the native
+    batch-invariant GEMM against F.linear (oneDNN/MKL)."""
     body, _ = model_gemms(config)
     weights = [torch.randn(s.out_features, s.in_features, dtype=BF16) for s in body for _ in range(s.count)]
-    packed = [onednn_packed_weight(w) for w in weights]
-    gemv = small_linear_kernel(CPU, BF16)
+    native = gemm(CPU, BF16, weights[0].shape[1])
+    packed = [native.pack(w, None)[0] for w in weights] if native else []
     nbytes = sum(w.numel() * 2 for w in weights)
     out = []
     for n in rows:
         xs = {k: torch.randn(n, k, dtype=BF16) for k in {w.shape[1] for w in weights}}
         plain = best_time(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], CPU)
-        if gemv is not None and n <= SMALL_LINEAR_ROWS:
-            fast, path = best_time(lambda: [small_linear(gemv, xs[w.shape[1]], w) for w in weights], CPU), "native"
-        elif packed[0] is not None:
-            fast = best_time(lambda: [onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)], CPU)
-            path = "oneDNN packed"
-        else:
-            fast, path = None, ""
+        fast = native and best_time(
+            lambda: [native.forward(xs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(weights, packed)], CPU)
         best = min(plain, fast or plain)
         out.append(KernelTiming(f"{len(weights)} layer GEMMs x {n} rows", plain * 1e3, fast and fast * 1e3,
-                                f"{path}; weights read at {nbytes / best / 1e9:.1f} GB/s"))
+                                f"weights read at {nbytes / best / 1e9:.1f} GB/s, {2 * n * nbytes / 2 / best / 1e9:.0f} "
+                                "GFLOP/s"))
     return out
 
 
@@ -65,7 +61,8 @@ def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_siz
     lens = torch.full((num_seqs,), context + 1)
     slots = torch.arange(num_seqs) * per_seq + context // block_size
     meta = AttentionMetadata(slot_blocks=slots, slot_offsets=torch.full((num_seqs,), context % block_size),
-                             num_decodes=num_seqs, decode_block_tables=tables, decode_context_lens=lens)
+                             span_starts=torch.arange(num_seqs), span_lens=torch.ones(num_seqs, dtype=torch.long),
+                             span_ctx0=lens, block_tables=tables, num_decodes=num_seqs)
     q = torch.randn(num_seqs, heads, head_dim, dtype=BF16)
     k, v = (torch.randn(num_seqs, kv_heads, head_dim, dtype=BF16) for _ in range(2))
 
@@ -73,15 +70,43 @@ def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_siz
         for k_cache, v_cache in caches:
             paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
 
-    kernel = decode_attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
+    kernel = attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
     with torch.inference_mode():
         torch_meta = replace(meta, decode_mask=decode_mask(lens, per_seq * block_size))
         plain = best_time(lambda: step(torch_meta), CPU)
-        fast = kernel and best_time(lambda: step(replace(meta, decode_kernel=kernel)), CPU)
+        fast = kernel and best_time(lambda: step(replace(meta, kernel=kernel)), CPU)
     kv_bytes = 2 * config.num_hidden_layers * num_seqs * (context + 1) * kv_heads * head_dim * 2
     best = fast or plain
     return KernelTiming(f"decode attention, {num_seqs} seqs x {context} tokens, {config.num_hidden_layers} layers",
                         plain * 1e3, fast and fast * 1e3, f"K/V read at {kv_bytes / best / 1e9:.1f} GB/s")
+
+
+def prefill_attention(config: ModelConfig, tokens: int, block_size: int = 16) -> KernelTiming:
+    """One fresh prompt's attention in every layer (KV write included): the native kernel, which treats
+    each query as a decode at its position (batch invariance), against causal scaled_dot_product_attention."""
+    kv_heads, head_dim, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
+    num_blocks = -(-tokens // block_size)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    caches = [(torch.zeros(k_shape, dtype=BF16), torch.zeros(v_shape, dtype=BF16))
+              for _ in range(config.num_hidden_layers)]
+    slots = torch.arange(tokens)
+    one = torch.tensor([1])
+    meta = AttentionMetadata(slot_blocks=slots // block_size, slot_offsets=slots % block_size,
+                             span_starts=torch.tensor([0]), span_lens=torch.tensor([tokens]), span_ctx0=one,
+                             block_tables=torch.arange(num_blocks)[None], prefills=[PrefillSpan(0, tokens, tokens)])
+    q = torch.randn(tokens, heads, head_dim, dtype=BF16)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=BF16) for _ in range(2))
+
+    def step(m: AttentionMetadata) -> None:
+        for k_cache, v_cache in caches:
+            paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
+
+    kernel = attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
+    with torch.inference_mode():
+        plain = best_time(lambda: step(meta), CPU)
+        fast = kernel and best_time(lambda: step(replace(meta, kernel=kernel)), CPU)
+    return KernelTiming(f"prefill attention, 1 prompt x {tokens} tokens, {config.num_hidden_layers} layers",
+                        plain * 1e3, fast and fast * 1e3, "native: each query as a decode at its position")
 
 
 def layer_op_timings(config: ModelConfig, rows: list[int]) -> list[KernelTiming]:

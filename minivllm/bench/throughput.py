@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tqdm import tqdm
@@ -16,6 +16,13 @@ from minivllm.config import EngineConfig
 from minivllm.llm import LLM
 from minivllm.model.loader import ModelConfig
 from minivllm.model.tokenizer import Tokenizer
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+# What --structured-output-ratio's requests must write: a JSON list of 4 or more records, so that
+# the grammar is live for the whole output (they end at EOS once the list closes, or at output_len).
+BENCH_SCHEMA = {"type": "array", "minItems": 4, "items": {"type": "object", "properties": {
+    "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16}, "tags": {
+        "type": "array", "items": {"enum": ["red", "green", "blue"]}}}, "required": ["id", "name", "tags"]}}
 
 
 @dataclass
@@ -28,6 +35,8 @@ class ThroughputResult:
     peak_rss_gib: float  # the process's peak resident memory, weights and KV pool included
     step_time_shares: dict[str, float] | None = None  # minivllm only: share of step time per phase
     mean_ttft_ms: float | None = None  # minivllm only: all requests arrive at once, so queueing counts
+    num_structured: int = 0  # requests constrained by a JSON schema (--structured-output-ratio)
+    structured_output_tokens: int = 0
 
     @property
     def requests_per_s(self) -> float:
@@ -56,6 +65,8 @@ class ThroughputResult:
                 f"{self.num_requests} requests, {self.total_input_tokens} input + {self.total_output_tokens} "
                 f"output tokens in {self.elapsed:.2f} s; peak RSS {self.peak_rss_gib:.2f} GiB"
                 + ("" if self.mean_ttft_ms is None else f"; mean TTFT {self.mean_ttft_ms:.0f} ms")
+                + ("" if not self.num_structured else f"\n{self.num_structured} requests constrained by a JSON "
+                   f"schema ({self.structured_output_tokens} of the output tokens)")
                 + ("" if not self.step_time_shares else "\nStep time: " + ", ".join(
                     f"{k} {v:.1%}" for k, v in self.step_time_shares.items())))
 
@@ -64,19 +75,31 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kilobytes on Linux
 
 
-def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True
+def structured_params(requests: list[BenchRequest], ratio: float) -> list[SamplingParams]:
+    """Each request's parameters; a `ratio` share of them, spread evenly, constrained by BENCH_SCHEMA
+    (and ended by EOS when their JSON closes, since the grammar then allows nothing else)."""
+    constrained = StructuredOutputsParams(json=BENCH_SCHEMA)
+    return [replace(r.sampling_params(), ignore_eos=False, structured_outputs=constrained)
+            if int((i + 1) * ratio) > int(i * ratio) else r.sampling_params() for i, r in enumerate(requests)]
+
+
+def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True, structured_output_ratio: float = 0.0
                  ) -> tuple[ThroughputResult, list[BenchRequest], ModelConfig]:
     llm = LLM(**vars(config))
     requests = build_workload(spec, llm.engine.tokenizer, np.random.default_rng(spec["seed"]))
+    params = structured_params(requests, structured_output_ratio)
+    if structured_output_ratio:  # compile the grammar before the clock starts, as a server's cache would have it
+        llm.engine.structured_output.compile(StructuredOutputsParams(json=BENCH_SCHEMA)).result()
     warm_up(llm.engine)
     llm.engine.reset_step_time()  # measure the workload alone
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
-                        [r.sampling_params() for r in requests], use_tqdm=show_progress)
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=show_progress)
     elapsed = time.perf_counter() - start
+    structured = [o for o, p in zip(outs, params) if p.structured_outputs is not None]
     result = ThroughputResult("minivllm", len(outs), elapsed, sum(len(o.prompt_token_ids) for o in outs),
                               sum(len(o.outputs[0].token_ids) for o in outs), peak_rss_gib(),
-                              llm.engine.step_time_breakdown(), 1000 * float(np.mean([o.metrics.ttft for o in outs])))
+                              llm.engine.step_time_breakdown(), 1000 * float(np.mean([o.metrics.ttft for o in outs])),
+                              len(structured), sum(len(o.outputs[0].token_ids) for o in structured))
     return result, requests, llm.engine.model_config
 
 

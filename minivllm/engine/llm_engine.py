@@ -6,8 +6,11 @@
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
+import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from minivllm.engine.policies import POLICIES
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput, will_sample
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.static_scheduler import StaticBatchScheduler
+from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
@@ -30,6 +34,9 @@ from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+GRAMMAR_WAIT_S = 0.01  # with nothing to run but grammars compiling, how long a step waits for one
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=2)
@@ -59,6 +66,8 @@ class LLMEngine:
         self.scheduler = (StaticBatchScheduler(config, self.block_manager, policy, max_model_len=self.max_model_len)
                           if static else Scheduler(config, self.block_manager, policy))
         self.requests: dict[str, Sequence] = {}  # unfinished requests
+        self._structured_output: StructuredOutputManager | None = None  # made on first use
+        self._structured_output_lock = threading.Lock()
         self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
         self._ids = itertools.count()
         self.start_time = time.perf_counter()
@@ -76,6 +85,15 @@ class LLMEngine:
         if self.config.max_model_len and self.config.max_model_len > capacity:
             raise ValueError(f"max_model_len {self.config.max_model_len} needs more KV cache than the "
                              f"{num_blocks} blocks x {self.config.block_size} tokens configured")
+        # Sliding-window attention is not implemented: within the window it is plain causal attention,
+        # so sequences are kept within it rather than silently attending past it.
+        window = self.model_config.sliding_window
+        if window and wanted > window:
+            if self.config.max_model_len:
+                raise ValueError(f"max_model_len {wanted} exceeds the model's sliding window of {window} tokens; "
+                                 "minivllm does not implement sliding-window attention, so at most "
+                                 f"max_model_len={window} is exact")
+            wanted = window
         return min(wanted, capacity)
 
     # -- requests -----------------------------------------------------------------------------------
@@ -92,18 +110,46 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            # As vLLM's server (and the OpenAI API) answers; offline too here: a limit that can never be
+            # reached is the caller's mistake, and max_tokens=None means "up to the context".
+            raise ValueError(f"max_tokens is {params.max_tokens}, but the prompt has {len(token_ids)} tokens and "
+                             f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(token_ids)} "
+                             "new tokens fit")
+        if params.prompt_logprobs is not None:  # the runner computes the logits of the last token only
+            raise ValueError("prompt_logprobs is not supported yet")
         if params.n != 1:
             raise ValueError("n > 1 is served by LLM.generate and the server, which fan out; the engine takes n=1")
-        if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):  # the sampler indexes by them
-            raise ValueError(f"stop_token_ids must be < the vocabulary size {self.model_config.vocab_size}")
+        vocab = self.model_config.vocab_size
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):  # the sampler indexes by them
+            if any(t >= vocab for t in getattr(params, name) or []):
+                raise ValueError(f"{name} must hold token ids < the vocabulary size {vocab}")
         seq = Sequence(request_id, text, token_ids, params,
                        RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
                        priority=priority, tenant=str(tenant), eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        seq.bad_words_token_ids = self._bad_words(params.bad_words or [])
+        if params.structured_outputs is not None:
+            seq.grammar_future = self.structured_output.compile(params.structured_outputs)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self._notify(seq)
         return request_id
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """The grammar compiler, made on first use (its vocabulary index takes a fraction of a second)."""
+        with self._structured_output_lock:
+            if self._structured_output is None:
+                self._structured_output = StructuredOutputManager(
+                    self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+            return self._structured_output
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as tokens, alone and after a space (as vLLM does: BPE spells them differently)."""
+        variants = {tuple(self.tokenizer.encode(v, add_special_tokens=False))
+                    for w in words for v in (w.strip(), " " + w.strip())}
+        return [list(v) for v in variants if v]
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -131,7 +177,7 @@ class LLMEngine:
         seq = self.requests.pop(str(request_id), None)
         if seq is None:
             return
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         self._aborted.append(seq)
         self._notify(seq)
 
@@ -143,16 +189,38 @@ class LLMEngine:
         for observer in self._observers:
             observer.on_request(seq, time.perf_counter())
 
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.grammar = seq.grammar_future = None  # release the parse state
+
+    def _start_grammars(self) -> None:
+        """Give each request whose grammar has compiled its parse state, so that it can be scheduled;
+        a grammar that failed (the server and LLM check first, so rarely) aborts its request."""
+        for seq in [s for s in self.requests.values() if s.waiting_for_grammar and s.grammar_future.done()]:
+            try:
+                seq.grammar = self.structured_output.grammar(seq.grammar_future.result())
+            except ValueError:
+                logger.exception("request %s: grammar failed to compile", seq.request_id)
+                self.abort_request(seq.request_id)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: sleep until a grammar is ready (briefly, so new commands are not held up)."""
+        pending = [s.grammar_future for s in self.requests.values() if s.waiting_for_grammar]
+        if pending:
+            concurrent.futures.wait(pending, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        self._start_grammars()
         outputs = [self._make_output(s) for s in self._aborted]
         self._aborted = []
-        t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self._wait_for_grammars()
             return outputs
         t_scheduled = time.perf_counter()
         sampling = [s for s, n in sched.scheduled if will_sample(s, n)]
@@ -197,11 +265,13 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
+        if seq.grammar is not None and not seq.grammar.accept(token) and token not in seq.eos_token_ids:
+            logger.warning("request %s: token %d is outside its grammar", seq.request_id, token)
         delta = seq.detokenizer.add(token)
         reason = self._stop_reason(seq, token, delta)
         if reason:
             self.requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
             self.stats["finished_requests"] += 1
 
     def _stop_reason(self, seq: Sequence, token: int, delta: str) -> str | None:
@@ -246,8 +316,15 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.metrics)
 
+    def flush_trace(self) -> None:
+        """Bring the trace files up to date (the Chrome trace is rewritten whole), if one is kept."""
+        if self.tracer:
+            self.tracer.flush()
+
     def close(self) -> None:
-        """Write out the trace, if one is kept."""
+        """Write out the trace, if one is kept; stop the grammar compiler."""
+        if self._structured_output is not None:
+            self._structured_output.close()
         if self.tracer:
             self.tracer.close()
             self.tracer = None

@@ -192,6 +192,8 @@ class Scheduler(SchedulerBase):
         for seq in list(self.waiting):
             if self.budget == 0:
                 return
+            if seq.waiting_for_grammar:  # its grammar is compiling: the others go ahead (as in vLLM v1)
+                continue
             hits = self.block_manager.match_prefix(seq)
             num_uncomputed = seq.num_tokens - len(hits) * self.block_manager.block_size
             n = self._chunk(seq, num_uncomputed)

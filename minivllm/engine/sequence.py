@@ -40,6 +40,11 @@ class Sequence:
     cumulative_logprob: float = 0.0
     detokenizer: Any = None  # the engine's IncrementalDetokenizer
     generator: Any = None  # the sampler's per-request torch.Generator, when the request has a seed
+    # Structured outputs: the grammar compiling (a Future) until the engine turns it into `grammar`
+    # (structured_output.Grammar), the request's parse state. Not scheduled while it compiles.
+    grammar_future: Any = None
+    grammar: Any = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -66,6 +71,10 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True while more than the last token lacks K/V (the prompt, or work dropped by preemption)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.grammar_future is not None and self.grammar is None
 
     @property
     def is_finished(self) -> bool:

@@ -33,7 +33,8 @@ class StaticBatchScheduler(SchedulerBase):
     def _start_batch(self, output: SchedulerOutput) -> None:
         self.batch = []
         self.waiting.sort(key=lambda s: s.metrics.arrival_time)
-        for seq in list(self.waiting[: self.config.static_batch_size]):
+        ready = [s for s in self.waiting if not s.waiting_for_grammar]
+        for seq in ready[: self.config.static_batch_size]:
             # Reserve the whole sequence up front, as a static batch does: nobody is preempted.
             full_len = min(seq.num_prompt_tokens + (seq.params.max_tokens or self.max_model_len),
                            self.max_model_len)

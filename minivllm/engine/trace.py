@@ -193,7 +193,8 @@ class StepTracer(StepObserver):
                              "dur": max(end - start, 0) * 1e6})
 
     def flush(self) -> None:
-        """Write the Chrome trace of everything so far (open decode runs included)."""
+        """Write the CSV rows and the Chrome trace of everything so far (open decode runs included)."""
+        self._file.flush()
         names = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"request {rid}"}}
                  for rid, tid in self._tid.items()]
         open_runs = [{"name": "decode", "ph": "X", "pid": 1, "tid": self._tid[rid], "ts": s * 1e6,

@@ -4,12 +4,14 @@ Pool layout, one pair per layer: k_cache [blocks, kv_heads, head_dim, block_size
 transposed, so that the CPU kernel scores a block with vector FMAs) and v_cache [blocks, kv_heads,
 block_size, head_dim]. `kv_cache_shapes` is the one place that says so.
 
-The runner packs a step's tokens as [decode tokens | prefill tokens | padding]. Each layer first
-writes the new K/V into its cache slots (block, offset), then attends: all decodes together in one
-call reading their blocks through `decode_block_tables` (in place with the native CPU kernel, else
-gathered for torch's scaled_dot_product_attention), then each prefill chunk on its own
-(a fresh prompt attends to its own K/V directly; a later chunk reads its context from the cache).
-Padding tokens (static batching) attend to nothing: their output is zero.
+The runner packs a step's tokens as [decode tokens | prefill tokens | padding], one span per
+sequence. Each layer first writes the new K/V into its cache slots (block, offset), then attends.
+With the native CPU kernel every span, decode or prefill chunk, goes through one call that reads the
+pool in place and treats each query by its context length alone: a token's output is the same bits in
+a prefill, a chunk after a cached prefix or a decode (batch invariance, kernels.py). The torch twin
+batches the decodes for scaled_dot_product_attention over gathered blocks and runs each prefill chunk
+on its own (a fresh prompt attends to its own K/V directly; a later chunk reads its context from the
+cache); it is not batch-invariant. Padding tokens (static batching) attend to nothing: output zero.
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from minivllm.model.kernels import LayerOps, paged_decode_attention
+from minivllm.model.kernels import LayerOps, paged_attention_native
 
 
 @dataclass
 class PrefillSpan:
+    """A prefill chunk for the torch path."""
     start: int  # first token in the packed batch
     num_tokens: int
     context_len: int  # tokens attended to by the last query: cached + this chunk
@@ -40,13 +43,17 @@ class AttentionMetadata:
     # Where each new token's K/V goes: slot = block * block_size + offset, as (block, offset) pairs.
     slot_blocks: torch.Tensor  # [num_real_tokens]
     slot_offsets: torch.Tensor  # [num_real_tokens]
+    # One span per sequence, decodes first: rows span_starts[i] .. + span_lens[i] of the packed batch,
+    # whose first query sees span_ctx0[i] tokens (itself included), through block_tables[i].
+    span_starts: torch.Tensor | None = None  # [spans]
+    span_lens: torch.Tensor | None = None
+    span_ctx0: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None  # [spans, max_blocks]
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
-    # The native kernel (kernels.py) reads the pool in place; without it, torch gathers and masks.
-    decode_kernel: Callable | None = None
+    # The native kernel (kernels.py) reads the pool in place; without it, the torch path below.
+    kernel: Callable | None = None
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], torch path only
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)  # torch path only
 
     @property
     def num_real_tokens(self) -> int:
@@ -71,17 +78,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k[:n]
         v_cache[meta.slot_blocks, :, meta.slot_offsets] = v[:n]
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
+    if meta.kernel is not None:
+        paged_attention_native(meta.kernel, q, k_cache, v_cache, meta.block_tables, meta.span_starts,
+                               meta.span_lens, meta.span_ctx0, scale, out)
+        return out
 
     d = meta.num_decodes
-    if d and meta.decode_kernel is not None:
-        paged_decode_attention(meta.decode_kernel, q[:d], k_cache, v_cache, meta.decode_block_tables,
-                               meta.decode_context_lens, scale, out=out[:d])
-    elif d:
-        keys, values = _gather(k_cache, v_cache, meta.decode_block_tables)  # [d, kv_heads, ctx, head_dim]
+    if d:
+        keys, values = _gather(k_cache, v_cache, meta.block_tables[:d])  # [d, kv_heads, ctx, head_dim]
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=True)
         out[:d] = o.squeeze(2)
-
     for p in meta.prefills:
         end = p.start + p.num_tokens
         query = q[p.start:end].transpose(0, 1).unsqueeze(0)

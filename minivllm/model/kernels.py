@@ -1,4 +1,4 @@
-"""The model's fast paths on the CPU: native kernels, and bf16 weights packed for oneDNN.
+"""The model's fast paths on the CPU: native kernels, each batch-invariant.
 
 The native kernels (csrc/*.c) are plain C with OpenMP, no torch headers: compiled at first use with
 the system's C compiler into one library for this CPU (-march=native) and loaded with ctypes, so
@@ -6,6 +6,13 @@ there is no build step at install time. When no compiler is present (or the buil
 getter here returns None and the model runs its torch twins: attention gathers the blocks for
 scaled_dot_product_attention, linear layers call F.linear, the layer ops run as torch ops.
 `minivllm bench kernels` measures each path against its twin.
+
+Batch invariance (issue 12): every native kernel computes a row (a token) in one fixed order that
+depends on nothing but that row: the linear sums each output k by k whatever the row count, attention
+treats a query the same in a prefill, a chunk or a decode, the layer ops work row by row. So with the
+native kernels a request's logits are the same bits alone or in any batch. The torch twins promise no
+such thing (oneDNN/MKL block by row count, scaled_dot_product_attention differs between prefill and
+decode): `batch_invariant()` says which case holds.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -47,6 +55,8 @@ def _library() -> ctypes.CDLL | None:
     lib_path = cache / f"kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
     try:
         if not lib_path.exists():
+            print(f"minivllm: compiling the native CPU kernels once for this CPU into {cache} ...",
+                  file=sys.stderr, flush=True)
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then move: atomic
                 objects = [Path(tmp) / f"{s.stem}.o" for s in SOURCES]
@@ -62,12 +72,12 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or str(e)
         warnings.warn(f"minivllm: native kernels unavailable, using torch ({detail.strip()[:200]})")
         return None
-    for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32"):
-        getattr(lib, name).argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
-                                       ctypes.c_float, _PTR]
-    if hasattr(lib, "linear_bf16"):
-        lib.linear_bf16.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _I64]
     for suffix in _DTYPE_SUFFIX.values():
+        getattr(lib, f"paged_attention_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                                              _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
+        if hasattr(lib, f"gemm_{suffix}"):  # bf16 needs AVX512-BF16
+            getattr(lib, f"gemm_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+            getattr(lib, f"pack_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
         getattr(lib, f"add_rms_norm_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
         getattr(lib, f"rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64]
         getattr(lib, f"write_kv_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
@@ -87,68 +97,76 @@ def _cpu() -> str:
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK_SIZE, CHAINS = 256, 16, 64, 4  # the C file's buffers and unrolling
 
 
-def decode_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
-    """The native decode-attention function for this device, dtype and shapes, or None."""
+def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
+    """The native paged-attention function (every query of a step) for this device, dtype and shapes,
+    or None."""
     if (device.type != "cpu" or dtype not in _DTYPE_SUFFIX or head_dim > MAX_HEAD_DIM or head_dim % CHAINS
             or group > MAX_GROUP or block_size > MAX_BLOCK_SIZE):
         return None
     lib = _library()
-    return None if lib is None else getattr(lib, f"paged_decode_attention_{_DTYPE_SUFFIX[dtype]}")
+    return None if lib is None else getattr(lib, f"paged_attention_{_DTYPE_SUFFIX[dtype]}")
 
 
-def paged_decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [seqs, heads, head_dim], each sequence's heads contiguous (a view into the fused qkv output is
-    fine); k_cache: [blocks, kv_heads, head_dim, block_size]; v_cache: [blocks, kv_heads, block_size,
-    head_dim]; block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64. Writes into `out`
-    (contiguous, q's shape) when given."""
+def paged_attention_native(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, span_starts: torch.Tensor, span_lens: torch.Tensor,
+                           span_ctx0: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Attention for every query row that a span covers, written into `out` ([T, heads, head_dim],
+    contiguous); other rows are left as they are. q: [T, heads, head_dim], each row's heads contiguous (a
+    view into the fused qkv output is fine); caches as attention.kv_cache_shapes; block_tables [spans,
+    max_blocks] int64; span i covers rows span_starts[i] .. + span_lens[i], whose first query sees
+    span_ctx0[i] tokens (itself included) and each next one a token more."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
-    num_seqs, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
     kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-           block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim,
-           k_cache.shape[3], scale, out.data_ptr())
-    return out
+           block_tables.shape[1], span_starts.data_ptr(), span_lens.data_ptr(), span_ctx0.data_ptr(),
+           span_starts.shape[0], num_heads, k_cache.shape[1], head_dim, k_cache.shape[3], scale, out.data_ptr())
 
 
-SMALL_LINEAR_ROWS = 8  # up to here the native kernel beats packed oneDNN (`minivllm bench kernels`)
+PANEL = 32  # csrc/gemm.c: output columns per packed panel
 
 
-def small_linear_kernel(device: torch.device, dtype: torch.dtype):
-    """The native bf16 linear for few rows (decode steps of small batches), or None."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+class Gemm:
+    """The batch-invariant linear of csrc/gemm.c for one dtype: out = x @ W^T + bias with each output
+    summed in one fixed order (k by k, float32) whatever the row count, so a row's result never
+    depends on the other rows of the call. Weights are packed once into column panels."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        suffix = _DTYPE_SUFFIX[dtype]
+        self._gemm, self._pack = getattr(lib, f"gemm_{suffix}"), getattr(lib, f"pack_{suffix}")
+        self.dtype = dtype
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(packed weight, float32 bias padded to whole panels or None) for `forward`."""
+        n, k = weight.shape
+        padded = -(-n // PANEL) * PANEL
+        weight = weight.contiguous()
+        if self.dtype == torch.bfloat16:  # pairs of k in one 32-bit word, for vdpbf16ps
+            packed = torch.empty(padded * k // 2, dtype=torch.int32)
+        else:
+            packed = torch.empty(padded * k, dtype=torch.float32)
+        self._pack(weight.data_ptr(), packed.data_ptr(), n, k)
+        padded_bias = None
+        if bias is not None:
+            padded_bias = torch.zeros(padded, dtype=torch.float32)
+            padded_bias[:n] = bias.float()
+        return packed, padded_bias
+
+    def forward(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                   out.data_ptr(), n, x.shape[0], n, x.shape[1])
+        return out
+
+
+def gemm(device: torch.device, dtype: torch.dtype, in_features: int) -> Gemm | None:
+    """The native batch-invariant linear for this device, dtype and input width, or None (the torch path)."""
+    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX or in_features % 2:
         return None
     lib = _library()
-    return getattr(lib, "linear_bf16", None) if lib is not None else None
-
-
-def small_linear(kernel, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T with the native kernel; K must be a multiple of 32."""
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1])
-    return out
-
-
-PACK_FOR_ROWS = 64  # the row count oneDNN tunes packed weights for; they serve every count (bench: 64 to 2048)
-
-
-def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bf16 linear weight reordered once into oneDNN's blocked layout, or None where that path is
-    missing. F.linear leaves the weight as it is and oneDNN reorders it on every call: packing once
-    makes bf16 GEMMs of 16 to 2,048 rows 1.2-1.7x faster, with bit-identical results."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
-    except (AttributeError, RuntimeError):  # a torch build without this private op
-        return None
-
-
-def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return Gemm(lib, dtype) if lib is not None and hasattr(lib, f"gemm_{_DTYPE_SUFFIX[dtype]}") else None
 
 
 class LayerOps:

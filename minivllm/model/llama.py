@@ -14,26 +14,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.attention import AttentionMetadata, paged_attention
-from minivllm.model.kernels import (SMALL_LINEAR_ROWS, LayerOps, layer_ops, onednn_linear, onednn_packed_weight,
-                                    small_linear, small_linear_kernel)
+from minivllm.model.kernels import Gemm, LayerOps, gemm, layer_ops
 from minivllm.model.loader import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear with the CPU's fast paths for bf16 (kernels.py): a few rows (decode steps of small
-    batches) go to the native kernel, which streams the weights at close to the read bandwidth; more
-    rows go to oneDNN with the weight packed once into its blocked layout."""
+    """nn.Linear with the CPU's batch-invariant native GEMM (kernels.py) for every row count: the weight
+    is packed once into the kernel's column panels, and each output is summed in the same order whether
+    the call has 1 row or 2,048."""
 
-    small_kernel = None  # both set by LlamaForCausalLM.use_native_kernels where they apply
-    packed_weight: torch.Tensor | None = None
+    native: Gemm | None = None  # set by LlamaForCausalLM.use_native_kernels where it applies
+    packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight panels, float32 bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_kernel is not None and x.shape[0] <= SMALL_LINEAR_ROWS:
-            out = small_linear(self.small_kernel, x, self.weight)
-            return out if self.bias is None else out + self.bias
-        if self.packed_weight is not None:
-            return onednn_linear(x, self.packed_weight, self.bias)
+        if self.native is not None:
+            return self.native.forward(x, *self.packed, self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    def use_native(self, native: Gemm | None) -> None:
+        self.native = native
+        self.packed = None if native is None else native.pack(self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -213,13 +213,17 @@ class LlamaForCausalLM(nn.Module):
         for this device and dtype; with False, everything runs as plain torch."""
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         ops = layer_ops(device, dtype) if enabled else None
-        gemv = small_linear_kernel(device, dtype) if enabled else None
         for module in self.modules():
             if isinstance(module, Linear):
-                module.small_kernel = gemv if module.in_features % 32 == 0 else None  # its vector width
-                module.packed_weight = onednn_packed_weight(module.weight) if enabled else None
+                module.use_native(gemm(device, dtype, module.in_features) if enabled else None)
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+
+    @property
+    def uses_native_kernels(self) -> bool:
+        """Whether every GEMM and layer op runs natively (the batch-invariant kernels)."""
+        return all(m.native is not None for m in self.modules() if isinstance(m, Linear)) and all(
+            m.ops is not None for m in self.modules() if isinstance(m, (RMSNorm, Attention, MLP)))
 
     def _assign(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
         """Load tensors named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""

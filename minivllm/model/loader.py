@@ -40,6 +40,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3 normalizes q and k per head
+    sliding_window: int | None = None  # Mistral v0.1: each token attends to the last this many only
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -105,6 +106,8 @@ def _hf_config(path: Path) -> ModelConfig:
         rope_scaling=cfg.get("rope_scaling") or _rope_parameters_scaling(cfg),
         attention_bias=cfg.get("attention_bias", arch == "qwen2"),
         qk_norm=arch == "qwen3",
+        # Qwen2 configs carry a sliding_window they do not use unless use_sliding_window is set.
+        sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "qwen2") else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
     )
@@ -185,6 +188,7 @@ def _gguf_checkpoint(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch
         rope_scaling=rope_scaling,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=meta("attention.sliding_window"),
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )

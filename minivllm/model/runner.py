@@ -9,7 +9,7 @@ import torch
 from minivllm.engine.scheduler import SchedulerOutput, will_sample
 from minivllm.engine.sequence import Sequence
 from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes
-from minivllm.model.kernels import decode_attention_kernel
+from minivllm.model.kernels import attention_kernel
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig
 
@@ -28,8 +28,8 @@ class ModelRunner:
         self.prepare_time = 0.0  # seconds spent building inputs, for the engine's step breakdown
         cfg = model.config
         k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.decode_kernel = decode_attention_kernel(device, dtype, cfg.head_dim,
-                                                     cfg.num_attention_heads // cfg.num_key_value_heads, block_size)
+        self.attention_kernel = attention_kernel(device, dtype, cfg.head_dim,
+                                                 cfg.num_attention_heads // cfg.num_key_value_heads, block_size)
         self.kv_caches = [(torch.zeros(k_shape, dtype=dtype, device=device),
                            torch.zeros(v_shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_hidden_layers)]
@@ -47,24 +47,24 @@ class ModelRunner:
         """Where the K/V of `seq`'s token at `position` lives in the pool: (block, offset in it)."""
         return seq.block_table[position // self.block_size], position % self.block_size
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a request's logits are the same bits whatever else shares its steps: true when every
+        GEMM, layer op and the attention run the native kernels (kernels.py), not the torch twins."""
+        return self.attention_kernel is not None and self.model.uses_native_kernels
+
     def _prepare(self, output: SchedulerOutput):
-        # Decodes first (one batched attention call), then prefill chunks, then padding.
+        # Decodes first, then prefill chunks, then padding; one span of rows per sequence.
         decodes = [(s, n) for s, n in output.scheduled if n == 1]
         prefills = [(s, n) for s, n in output.scheduled if n > 1]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[tuple[int, int]] = []
+        spans: list[tuple[int, int, int]] = []  # (first row, rows, context of the first query)
         where: dict[int, int] = {}  # id(seq) -> index of its last token in the packed batch
-        for seq, _ in decodes:
-            p = seq.num_computed_tokens
-            where[id(seq)] = len(ids)
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(self._slot(seq, p))
-        spans = []
-        for seq, n in prefills:
+        for seq, n in decodes + prefills:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            spans.append(self._prefill_span(seq, len(ids), start, end))
+            spans.append((len(ids), n, start + 1))
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(self._slot(seq, p) for p in range(start, end))
@@ -74,17 +74,18 @@ class ModelRunner:
 
         dev = self.device
         slot_blocks, slot_offsets = torch.tensor(slots, dtype=torch.long, device=dev).view(-1, 2).T.contiguous()
-        meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets,
-                                 num_decodes=len(decodes), prefills=spans, decode_kernel=self.decode_kernel)
-        if decodes:
-            max_blocks = max(len(s.block_table) for s, _ in decodes)
-            meta.decode_block_tables = torch.tensor(
-                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in decodes],
-                dtype=torch.long, device=dev)
-            meta.decode_context_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes],
-                                                    dtype=torch.long, device=dev)
-            if self.decode_kernel is None:
-                meta.decode_mask = decode_mask(meta.decode_context_lens, max_blocks * self.block_size)
+        scheduled = decodes + prefills
+        max_blocks = max((len(s.block_table) for s, _ in scheduled), default=0)
+        span_starts, span_lens, span_ctx0 = torch.tensor(spans, dtype=torch.long, device=dev).view(-1, 3).T.contiguous()
+        meta = AttentionMetadata(
+            slot_blocks=slot_blocks, slot_offsets=slot_offsets, span_starts=span_starts, span_lens=span_lens,
+            span_ctx0=span_ctx0, num_decodes=len(decodes), kernel=self.attention_kernel,
+            block_tables=torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in scheduled],
+                                      dtype=torch.long, device=dev).view(len(scheduled), max_blocks))
+        if self.attention_kernel is None:  # what the torch path needs besides
+            meta.decode_mask = decode_mask(span_ctx0[:len(decodes)], max_blocks * self.block_size)
+            meta.prefills = [self._prefill_span(seq, first, seq.num_computed_tokens, seq.num_computed_tokens + n)
+                             for (seq, n), (first, _, _) in zip(prefills, spans[len(decodes):])]
         sample_idx = [where[id(s)] for s, n in output.scheduled if will_sample(s, n)]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, torch.tensor(sample_idx, dtype=torch.long, device=dev))

@@ -1,4 +1,13 @@
-"""Turns logits into one token per sequence: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turns logits into one token per sequence: logits processing, then greedy or sampling.
+
+In vLLM v1's order: (1) masks and biases: `allowed_token_ids`, structured-output grammars,
+`bad_words`, `min_tokens` (no EOS or stop token before it), `logit_bias`; (2) penalties:
+`repetition_penalty` over prompt + output, `presence_penalty` and `frequency_penalty` over the output;
+(3) greedy argmax, or temperature, `min_p`, top-k, top-p and a draw.
+
+Every step is a tensor op over the rows that need it, and every op is per row (no reduction across
+rows), so a request's tokens never depend on what else is in the batch. Rows that use none of a
+feature skip it, and a batch that uses none skips it entirely.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p.
 A seeded request draws its noise from its own generator, so its tokens do not depend on the batch.
@@ -10,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.structured_output import allowed_tokens
 
 
 @dataclass
@@ -23,6 +33,10 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def _rows(seqs: list[Sequence], wanted) -> list[int]:
+    return [i for i, s in enumerate(seqs) if wanted(s)]
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
@@ -30,29 +44,102 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        self._ban_early_stops(logits, seqs)
-        raw = logits
+        # Logprobs are the model's own (vLLM's default "raw_logprobs"), before any processing.
+        raw = logits.clone() if any(s.params.logprobs is not None for s in seqs) else logits
+        self._mask_and_bias(logits, seqs)
+        self._penalize(logits, seqs)
         if all(s.params.is_greedy for s in seqs):
             tokens = _argmax(logits)
         else:
             tokens = self._sample(logits, seqs)
         return SamplerOutput(tokens.tolist(), self._logprobs(raw, tokens, seqs))
 
-    @staticmethod
-    def _ban_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Below `min_tokens`, EOS and the stop tokens cannot be drawn, whether or not EOS would stop
-        the request (`ignore_eos`): vLLM's meaning, and HF's `min_new_tokens`."""
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
-                banned = list(s.params.stop_token_ids) + list(s.eos_token_ids)
-                if banned:
-                    logits[i, banned] = float("-inf")
+    # -- (1) masks and biases ---------------------------------------------------------------------------
+    def _mask_and_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        vocab = logits.shape[-1]
+        if rows := _rows(seqs, lambda s: s.params.allowed_token_ids is not None):
+            allowed = torch.zeros(len(rows), vocab, dtype=torch.bool, device=self.device)
+            r, t = self._pairs([seqs[i].params.allowed_token_ids for i in rows])
+            allowed[r, t] = True
+            self._keep_only(logits, rows, allowed)
+        if rows := _rows(seqs, lambda s: s.grammar is not None):
+            self._keep_only(logits, rows, allowed_tokens([seqs[i].grammar for i in rows], vocab).to(self.device))
+        banned = [self._banned(s) for s in seqs]
+        if any(banned):
+            r, t = self._pairs(banned)
+            logits[r, t] = float("-inf")
+        if rows := _rows(seqs, lambda s: s.params.logit_bias):
+            biases = [seqs[i].params.logit_bias for i in rows]
+            r, t = self._pairs([list(b) for b in biases])
+            values = torch.tensor([v for b in biases for v in b.values()], dtype=logits.dtype, device=self.device)
+            logits.index_put_((torch.tensor(rows, device=self.device)[r], t), values, accumulate=True)
 
+    def _keep_only(self, logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> None:
+        index = torch.tensor(rows, device=self.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+    @staticmethod
+    def _banned(s: Sequence) -> list[int]:
+        """Tokens `s` may not draw now. Below `min_tokens`: EOS and the stop tokens, whether or not EOS
+        would stop the request (`ignore_eos`), as vLLM and HF's `min_new_tokens` do. A bad word's
+        last token, once the output ends with the tokens before it (a one-token word: always)."""
+        banned = []
+        if s.num_output_tokens < s.params.min_tokens:
+            banned += [*s.params.stop_token_ids, *s.eos_token_ids]
+        out = s.output_token_ids
+        for word in s.bad_words_token_ids:
+            prefix = word[:-1]
+            if not prefix or out[len(out) - len(prefix):] == prefix:
+                banned.append(word[-1])
+        return banned
+
+    def _pairs(self, per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index, token) tensors for a ragged list of per-row token lists."""
+        rows = [r for r, tokens in enumerate(per_row) for _ in tokens]
+        tokens = [t for ts in per_row for t in ts]
+        return (torch.tensor(rows, dtype=torch.long, device=self.device),
+                torch.tensor(tokens, dtype=torch.long, device=self.device))
+
+    # -- (2) penalties --------------------------------------------------------------------------------------
+    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = _rows(seqs, lambda s: s.params.has_penalties)
+        if not rows:
+            return
+        params = [seqs[i].params for i in rows]
+        index = torch.tensor(rows, device=self.device)
+        x = logits[index]
+        vocab = x.shape[-1]
+        output_counts = self._counts([seqs[i].output_token_ids for i in rows], vocab)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = self._counts([seqs[i].prompt_token_ids for i in rows], vocab) + output_counts > 0
+            penalty = self._column([p.repetition_penalty for p in params])
+            x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+        frequency = self._column([p.frequency_penalty for p in params])
+        presence = self._column([p.presence_penalty for p in params])
+        x = x - frequency * output_counts - presence * (output_counts > 0)
+        logits[index] = x
+
+    def _counts(self, token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+        """float [rows, vocab]: how often each token occurs in each row's list. Padding goes to an extra
+        column that is dropped; each row is summed alone (scatter_add within the row)."""
+        width = max(1, max(map(len, token_lists)))
+        ids = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.long, device=self.device)
+        counts = torch.zeros(len(token_lists), vocab + 1, device=self.device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+        return counts[:, :vocab]
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
+
+    # -- (3) sampling ------------------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
         temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=self.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=self.device)[:, None]
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             probs = self._top_k_top_p(probs, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)

@@ -23,16 +23,20 @@ class Tokenizer:
         self.eos_token_ids = sorted(eos)
         self.vocab_size = config.vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf(text, add_special_tokens=True)["input_ids"]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.hf.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+        """The prompt of a conversation, by the model's template or `chat_template` (which may render
+        `tools`: OpenAI tool definitions)."""
+        if not (chat_template or self.hf.chat_template):
             raise ValueError("this model has no chat template; use completions instead")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, tools=tools)
 
 
 class IncrementalDetokenizer:

@@ -4,9 +4,10 @@
     GET  /v1/models, /health, /metrics
     GET  /, /dashboard (and /dashboard/...): the live view of the step loop (dashboard.py)
 
-Requests are parsed strictly (unknown or ill-typed fields are a 400 that names the field) and
-validated before anything streams, so a bad request never becomes a broken stream. Errors take
-OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+Known fields are parsed strictly (an ill-typed value is a 400 that names the field) and validated
+before anything streams, so a bad request never becomes a broken stream. Fields the server does not
+know are accepted and ignored, as vLLM does: logged once per name, and listed per response in the
+`X-Ignored-Fields` header. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -38,14 +39,17 @@ from minivllm.engine.live import LiveFeed
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.trace import run_record
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.server.dashboard import Dashboard, add_routes
 from minivllm.server.metrics import ServerMetrics
+from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput, required_schema
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 2**20  # ~100x the JSON of a 32k-token prompt
 GRACEFUL_SHUTDOWN_S = 30  # in-flight requests get this long to finish on SIGTERM; then they are aborted
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+_logged_ignored: set[str] = set()  # unknown field names already logged (once each)
 
 
 # -- errors ---------------------------------------------------------------------------------------------
@@ -79,7 +83,7 @@ def _engine_error(e: ValueError, request: BaseModel, default_field: str) -> APIE
     """A ValueError of SamplingParams or of the engine, pointed at the request field it is about: their
     messages start with the name of what is wrong ("top_p must be ...", "prompt has 900 tokens ...")."""
     message = str(e)
-    name = message.split(maxsplit=1)[0] if message else ""
+    name = message.split(maxsplit=1)[0].rstrip(":").split(".")[0] if message else ""
     if name in type(request).model_fields:
         return APIError(400, message, name)
     return APIError(400, f"{default_field}: {message}", default_field)
@@ -87,9 +91,20 @@ def _engine_error(e: ValueError, request: BaseModel, default_field: str) -> APIE
 
 # -- requests -----------------------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    # Strict: "5" is not an int and 1 is not a bool; a typo in a field name is an error, not a no-op.
-    # No inf or nan: they would reach the sampler's arithmetic.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # Strict: "5" is not an int and 1 is not a bool. Unknown fields are kept aside (model_extra), to
+    # be reported as ignored. No inf or nan: they would reach the sampler's arithmetic.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields of a parsed request that the server does not know."""
+    names = [prefix + k for k in model.model_extra or {}]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, BaseModel):
+                names += ignored_fields(item, f"{prefix}{name}." + (f"{i}." if isinstance(value, list) else ""))
+    return names
 
 
 # Every integer must fit torch's int64 (seeds, top-k and token ids become tensors in the engine thread,
@@ -116,9 +131,24 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_schema: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_schema, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=self.json_object)
+
+
 class _GenerationRequest(_Strict):
     model: str | None = None
     n: Int = 1
+    best_of: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int | None = None
@@ -131,25 +161,68 @@ class _GenerationRequest(_Strict):
     user: str | None = None  # the tenant of the fair scheduling policy
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Sent by many clients by default; accepted at their neutral value only.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[Int] | None = None
+    prompt_logprobs: Int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names for structured_outputs.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported (only its neutral value)", name, "unsupported")
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
         try:
+            logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids", "logit_bias") from None
+        try:
             return SamplingParams(
-                n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                temperature=1.0 if self.temperature is None else self.temperature,
+                n=self.n, best_of=self.best_of, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs)
+                min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=logit_bias or None, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured)
         except ValueError as e:
             raise _engine_error(e, self, "request") from None
+
+    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the field it came from, the constraint) of whichever structured-output field is set."""
+        given = {"structured_outputs": self.structured_outputs.params if self.structured_outputs else None,
+                 "guided_json": lambda: StructuredOutputsParams(json=self.guided_json),
+                 "guided_regex": lambda: StructuredOutputsParams(regex=self.guided_regex),
+                 "guided_choice": lambda: StructuredOutputsParams(choice=self.guided_choice),
+                 "guided_grammar": lambda: StructuredOutputsParams(grammar=self.guided_grammar),
+                 **self._more_structured()}
+        given = {name: make for name, make in given.items() if make is not None and
+                 (name in ("structured_outputs", "response_format", "tool_choice") or getattr(self, name) is not None)}
+        if len(given) > 1:
+            raise APIError(400, f"{' and '.join(given)} each constrain the output: send one", list(given)[1])
+        for name, make in given.items():
+            try:
+                return name, make()
+            except ValueError as e:
+                raise APIError(400, f"{name}: {e}", name) from None
+        return None
+
+    def _more_structured(self) -> dict[str, Callable[[], StructuredOutputsParams] | None]:
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -160,6 +233,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: Prompt
     max_tokens: Int | None = 16  # OpenAI's default for completions
     logprobs: Int | None = None
+    echo: bool = False
+    suffix: str | None = None
 
 
 class TextPart(_Strict):
@@ -167,15 +242,82 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, _only("a string or a list of {type: 'text', text} parts")] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls (its content may be empty)
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        # An assistant message that carries tool_calls may have none; every other message needs one.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a {self.role} message")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         # Chat templates know system, user and assistant; OpenAI's developer role is the new system.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:  # templates expect the arguments as an object
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -184,6 +326,41 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # several calls may come back either way
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
+    def _more_structured(self) -> dict[str, Callable[[], StructuredOutputsParams] | None]:
+        more: dict[str, Callable[[], StructuredOutputsParams] | None] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            more["response_format"] = lambda: StructuredOutputsParams(json_object=True)
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format: type json_schema needs a json_schema", "response_format")
+            more["response_format"] = lambda: StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        choice = self.effective_tool_choice
+        if choice == "required":
+            tools = [t.function.model_dump() for t in self.tools]
+            more["tool_choice"] = lambda: StructuredOutputsParams(json=required_schema(tools))
+        elif isinstance(choice, NamedToolChoice):
+            tool = self.named_tool(choice.function.name)
+            more["tool_choice"] = lambda: StructuredOutputsParams(json=tool.parameters or {"type": "object"})
+        return more
+
+    def named_tool(self, name: str) -> FunctionDefinition:
+        for t in self.tools or []:
+            if t.function.name == name:
+                return t.function
+        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
 
 
 def _parse(model: type[_Strict], body: bytes) -> Any:
@@ -231,7 +408,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -244,7 +422,7 @@ class ChatChoice(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant"} first, then {"content": ...}
+    delta: dict[str, Any]  # {"role": "assistant"} first, then {"content": ...} and/or {"tool_calls": [...]}
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -345,13 +523,25 @@ class _Formatter(ABC):
         """The whole answer of a non-streamed request."""
 
     @abstractmethod
-    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel:
-        """One stream event: a choice's delta, or (d=None) the usage."""
+    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel | None:
+        """One stream event: a choice's delta, or (d=None) the usage; None: nothing to send yet."""
 
 
 class _CompletionFormatter(_Formatter):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
+
+    def __init__(self, token_text: Callable[[int], str], top_logprobs: int | None,
+                 echo: list[str] | None = None, n: int = 1) -> None:
+        super().__init__(token_text, top_logprobs)
+        self.echo, self.n = echo, n  # echo: each prompt's text, put before its choices' first text
+        self._echoed: set[int] = set()
+
+    def _text(self, d: Delta) -> str:
+        if self.echo is None or d.index in self._echoed:
+            return d.text
+        self._echoed.add(d.index)
+        return self.echo[d.index // self.n] + d.text
 
     def _logprobs(self, d: Delta) -> CompletionLogprobs | None:
         if d.logprobs is None:
@@ -363,7 +553,7 @@ class _CompletionFormatter(_Formatter):
             top_logprobs=[{self.token_text(k): v for k, v in self._top(e)} for e in d.logprobs], text_offset=offsets)
 
     def choice(self, d: Delta) -> CompletionChoice:
-        return CompletionChoice(index=d.index, text=d.text, logprobs=self._logprobs(d),
+        return CompletionChoice(index=d.index, text=self._text(d), logprobs=self._logprobs(d),
                                 finish_reason=d.finish_reason, stop_reason=d.stop_reason)
 
     def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
@@ -378,6 +568,11 @@ class _ChatFormatter(_Formatter):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, token_text: Callable[[int], str], top_logprobs: int | None,
+                 tools: ToolCallOutput | None = None) -> None:
+        super().__init__(token_text, top_logprobs)
+        self.tools = tools  # None: the text is all content
+
     def _logprobs(self, d: Delta) -> ChatLogprobs | None:
         if d.logprobs is None:
             return None
@@ -391,19 +586,45 @@ class _ChatFormatter(_Formatter):
             for t, e in zip(d.token_ids, d.logprobs)])
 
     def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
-        return ChatCompletionResponse(**base, object=self.object, usage=usage, choices=[
-            ChatChoice(index=d.index, message=ChatResponseMessage(content=d.text), logprobs=self._logprobs(d),
-                       finish_reason=d.finish_reason, stop_reason=d.stop_reason) for d in choices])
+        return ChatCompletionResponse(**base, object=self.object, usage=usage,
+                                      choices=[self._choice(d) for d in choices])
+
+    def _choice(self, d: Delta) -> ChatChoice:
+        content, calls = self.tools.whole(d.text) if self.tools else (d.text, [])
+        message = ChatResponseMessage(content=content, tool_calls=[c.openai() for c in calls])
+        return ChatChoice(index=d.index, message=message, logprobs=self._logprobs(d),
+                          finish_reason=_tool_finish(d.finish_reason, bool(calls)), stop_reason=d.stop_reason)
 
     def stream_start(self, base: dict[str, Any], num_choices: int) -> list[BaseModel]:
         return [ChatCompletionChunk(**base, object=self.chunk_object,
                                     choices=[ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
                 for i in range(num_choices)]
 
-    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel:
-        choices = [ChatChunkChoice(index=d.index, delta={"content": d.text}, logprobs=self._logprobs(d),
-                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason)] if d else []
+    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel | None:
+        choices = [self._chunk_choice(d)] if d else []
+        if d and choices[0] is None:
+            return None
         return ChatCompletionChunk(**base, object=self.chunk_object, choices=choices, usage=usage)
+
+    def _chunk_choice(self, d: Delta) -> ChatChunkChoice | None:
+        finish = d.finish_reason
+        if self.tools is None:
+            delta: dict[str, Any] = {"content": d.text}
+        else:  # tool calls are held back until they parse: a step may have nothing to send
+            content, calls = self.tools.stream(d.index, d.text, d.finish_reason is not None)
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
+            if not delta and finish is None:
+                return None
+            finish = _tool_finish(finish, self.tools.called(d.index))
+        return ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d), finish_reason=finish,
+                               stop_reason=d.stop_reason)
+
+
+def _tool_finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason for an answer that ended by calling tools."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 # -- the server ------------------------------------------------------------------------------------------------
@@ -414,10 +635,17 @@ class ServerOptions:
     served_model_name: str
     api_key: str | None = None
     max_waiting_requests: int | None = None  # None: no limit
+    chat_template: str | None = None  # replaces the model's (the text of a Jinja template)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse tool calls out of the text
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
 
 @dataclass
@@ -429,6 +657,7 @@ class _Generation:
     params: SamplingParams
     formatter: _Formatter
     prompt_field: str  # where a prompt error points: "prompt" or "messages"
+    ignored: list[str]  # unknown request fields, named in the response
 
 
 class OpenAIServer:
@@ -459,24 +688,63 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body = _parse(CompletionRequest, await _read_body(request))
         self._check_model(body.model)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
-        formatter = _CompletionFormatter(self._token_text, body.logprobs)
-        return await self._generate(request, _Generation(body, _completion_prompts(body.prompt), params, formatter,
-                                                         "prompt"))
+        if body.suffix:
+            raise APIError(400, "suffix: fill-in-the-middle is not supported: the served model has no FIM "
+                                "template (prefix/suffix/middle tokens)", "suffix", "unsupported")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo",
+                           "unsupported")
+        params = body.sampling_params(body.max_tokens, body.logprobs, await self._structured(body))
+        prompts = _completion_prompts(body.prompt)
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
+        formatter = _CompletionFormatter(self._token_text, body.logprobs, echo, params.n)
+        return await self._generate(request, _Generation(body, prompts, params, formatter, "prompt",
+                                                         ignored_fields(body)))
 
     async def chat_completions(self, request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await _read_body(request))
         self._check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        tools = self._tool_output(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                                      await self._structured(body))
         try:
-            prompt = self.tokenizer.apply_chat_template([m.template_dict() for m in body.messages])
+            prompt = self.tokenizer.apply_chat_template(
+                [m.template_dict() for m in body.messages], chat_template=self.options.chat_template,
+                tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"messages: {e}", "messages") from None
-        formatter = _ChatFormatter(self._token_text, body.top_logprobs or 0)
-        return await self._generate(request, _Generation(body, [prompt], params, formatter, "messages"))
+        formatter = _ChatFormatter(self._token_text, body.top_logprobs or 0, tools)
+        return await self._generate(request, _Generation(body, [prompt], params, formatter, "messages",
+                                                         ignored_fields(body)))
+
+    def _tool_output(self, body: ChatCompletionRequest) -> ToolCallOutput | None:
+        choice = body.effective_tool_choice
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return ToolCallOutput("named", body.named_tool(choice.function.name).name)
+        if choice == "auto" and not self.options.enable_auto_tool_choice:
+            raise APIError(400, 'tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+                                '--tool-call-parser (or send tool_choice "required", "none" or a named function)',
+                           "tool_choice")
+        return ToolCallOutput(choice)
+
+    async def _structured(self, body: _GenerationRequest) -> StructuredOutputsParams | None:
+        """The request's output constraint, its grammar compiled (off the event loop and the step loop,
+        in the compiler's pool) so that a grammar the library rejects is a 400 naming the field."""
+        found = body.structured()
+        if found is None:
+            return None
+        name, params = found
+        manager = await asyncio.to_thread(lambda: self.engine.engine.structured_output)
+        try:
+            await asyncio.wrap_future(manager.compile(params))
+        except ValueError as e:
+            raise APIError(400, f"{name}: {e}", name) from None
+        return params
 
     # -- shared by both APIs -----------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -505,8 +773,10 @@ class OpenAIServer:
             raise APIError(503, str(e), None, "queue_full") from None
         except EngineDeadError as e:
             raise APIError(503, str(e), None, "engine_dead") from None
+        headers = self._ignored_header(gen.ignored)
         if gen.body.stream:
-            return EventSourceResponse(self._sse(stream, tracker, fmt, base, gen.body.include_usage, len(requests)))
+            return EventSourceResponse(self._sse(stream, tracker, fmt, base, gen.body.include_usage, len(requests)),
+                                       headers=headers)
         try:
             finals = await _collect(stream, request)
         except EngineDeadError as e:
@@ -516,7 +786,17 @@ class OpenAIServer:
         for out in finals:
             tracker.delta(out)
         choices = [_whole(tracker.index_of[o.request_id], o.outputs[0]) for o in finals]
-        return JSONResponse(fmt.response(base, sorted(choices, key=lambda d: d.index), tracker.usage()).model_dump())
+        return JSONResponse(fmt.response(base, sorted(choices, key=lambda d: d.index), tracker.usage()).model_dump(),
+                            headers=headers)
+
+    @staticmethod
+    def _ignored_header(ignored: list[str]) -> dict[str, str]:
+        """Tell the client which of its fields were ignored; log each field name once per process."""
+        new = [name for name in ignored if name not in _logged_ignored]
+        if new:
+            _logged_ignored.update(new)
+            logger.warning("ignoring unknown request fields (logged once each): %s", ", ".join(new))
+        return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else {}
 
     @staticmethod
     async def _sse(stream: RequestStream, tracker: ChoiceTracker, fmt: _Formatter, base: dict[str, Any],
@@ -526,8 +806,8 @@ class OpenAIServer:
             for chunk in fmt.stream_start(base, num_choices):
                 yield _event(chunk)
             async for out in stream:
-                if (d := tracker.delta(out)) is not None:
-                    yield _event(fmt.chunk(base, d))
+                if (d := tracker.delta(out)) is not None and (chunk := fmt.chunk(base, d)) is not None:
+                    yield _event(chunk)
             if include_usage:
                 yield _event(fmt.chunk(base, None, tracker.usage()))
         except EngineDeadError as e:

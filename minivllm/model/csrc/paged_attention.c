@@ -1,17 +1,26 @@
-/* Decode attention read straight from the paged KV pool, for the CPU.
+/* Attention read straight from the paged KV pool, for the CPU: every query token of a step, decode or
+ * prefill, through one per-query computation.
  *
- * One query token per sequence. Each (sequence, kv head) task walks the sequence's block table and,
- * for the query heads that share this kv head (grouped-query attention), scores every cached token,
- * takes the softmax in float32 and accumulates the values. Nothing is gathered: K and V are read
- * once, where they lie.
+ * A step's queries come in spans, one per sequence: `len` consecutive tokens whose first one sees `ctx0`
+ * tokens of context (itself included), so query i of the span sees ctx0 + i. Their K/V are already in
+ * the pool (the layer writes them first), so a prefill chunk, the tail of a prompt after a prefix-cache
+ * hit and a decode all read the same blocks the same way. For one query and one head the arithmetic
+ * depends on its context length alone: scores block by block, a softmax over exactly its context, the
+ * values accumulated block by block. So a token's attention output is the same bits whether it is
+ * computed in a prefill, a chunk or a decode, and whatever else shares the step (issue 12).
+ *
+ * A task is (span, tile of up to Q_TILE queries, kv head): each K/V tile is converted once and used by
+ * the tile's queries and the query heads that share the kv head (grouped-query attention). Nothing is
+ * gathered: K and V are read once per task, where they lie.
  *
  * Pool layout, per block and kv head: K transposed as [head_dim][block_size], V as
  * [block_size][head_dim]. The transposed K turns a block's scores into head_dim vector FMAs over
- * block_size lanes (no horizontal sums); V rows are added as vectors too. Each tile is contiguous.
+ * block_size lanes (no horizontal sums); V rows are added as vectors too.
  *
- * Built at first use with the system's C compiler (kernels.py): OpenMP resolves to the runtime that
- * torch has already loaded, so the two share their threads. Compiled with -ffast-math for vectorized
- * expf and reductions; scores are always finite.
+ * Built at first use with the system's C compiler (kernels.py), with -ffast-math for vectorized expf.
+ * Reductions whose vector split could depend on a buffer's address (the softmax sum) run over rows
+ * that are 64-byte aligned and padded to 16 floats, so the compiler's code takes the same path for
+ * every query with the same context.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,8 +32,11 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK_SIZE 64
+#define Q_TILE 8           /* queries of one sequence that share each K/V tile */
 #define PREFETCH_BLOCKS 2
-#define CHAINS 4  /* head_dim must be a multiple (kernels.py checks) */
+#define CHAINS 4           /* head_dim must be a multiple (kernels.py checks) */
+#define SCORE_ALIGN 16     /* floats: score rows start on 64 bytes and are padded to this */
+#define MASKED -1e30f      /* score of a padded slot: expf gives exactly 0 */
 
 /* A tile of K or V converted to float32. Written through `u` for bf16 (a shift per element, which
  * vectorizes), read through `f`: C11 allows reading a union through another member. */
@@ -40,22 +52,42 @@ static inline void f32_tile(const float *src, tile_t *dst, int64_t n) {
 
 /* Blocks are scattered in the pool and the hardware prefetcher cannot guess the jumps: the score
  * pass asks for the K tile PREFETCH_BLOCKS ahead and for this block's V tile, which the value pass
- * will want next (measured on 64 sequences x 300 tokens x 30 layers read from DRAM: 10% faster). */
+ * will want next. */
 static inline void prefetch_tile(const void *tile, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)tile + i);
 }
 
-/* One (sequence, kv head). `tile` is the distance between consecutive blocks' tiles of one head. */
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+/* The softmax of one query head's scores over its `ctx` tokens, in place. The row is padded with
+ * MASKED to `padded` (a multiple of SCORE_ALIGN, set by ctx alone) and 64-byte aligned. */
+static inline void softmax_row(float *restrict sc, int64_t ctx, int64_t padded) {
+    float m = sc[0], sum = 0.f;
+    for (int64_t t = 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
+    for (int64_t t = ctx; t < padded; t++) sc[t] = MASKED;
+    sc = __builtin_assume_aligned(sc, 64);
+    _Pragma("omp simd reduction(+:sum) aligned(sc:64)")
+    for (int64_t t = 0; t < padded; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
+    const float inv = 1.f / sum;
+    _Pragma("omp simd aligned(sc:64)")
+    for (int64_t t = 0; t < padded; t++) sc[t] *= inv;
+}
+
+/* One task: queries [0, nq) of a span (query j sees ctx0 + j tokens), one kv head and its `group`
+ * query heads. q rows are q_stride apart; out rows out_stride apart. `scores` holds nq * group rows
+ * of `row` floats (64-byte aligned). `tile` is the distance between consecutive blocks' tiles. */
 #define DEFINE_TASK(NAME, T, LOAD, STORE, TILE)                                                                  \
 static inline __attribute__((always_inline)) void NAME(                                                   \
-        const T *q, const T *k_cache, const T *v_cache, const int64_t *table, int64_t ctx, int64_t group,  \
-        int64_t head_dim, int64_t block_size, int64_t tile, float scale, T *out, float *scores) {          \
-    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                                      \
+        const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *table, int64_t ctx0, \
+        int64_t nq, int64_t group, int64_t head_dim, int64_t block_size, int64_t tile, float scale,         \
+        T *out, int64_t out_stride, float *scores, int64_t row) {                                          \
+    float qf[Q_TILE][MAX_GROUP][MAX_HEAD_DIM], acc[Q_TILE][MAX_GROUP][MAX_HEAD_DIM];                              \
     tile_t tile_buf;                                                                                       \
     const float *kv = tile_buf.f;                                                                          \
-    const int64_t num_blocks = (ctx + block_size - 1) / block_size, stride = num_blocks * block_size;     \
-    for (int64_t g = 0; g < group; g++)                                                                    \
-        for (int64_t d = 0; d < head_dim; d++) { qf[g][d] = LOAD(q[g * head_dim + d]) * scale; acc[g][d] = 0.f; } \
+    const int64_t ctx_max = ctx0 + nq - 1, num_blocks = (ctx_max + block_size - 1) / block_size;          \
+    for (int64_t j = 0; j < nq; j++)                                                                       \
+        for (int64_t g = 0; g < group; g++)                                                                \
+            for (int64_t d = 0; d < head_dim; d++) qf[j][g][d] = LOAD(q[j * q_stride + g * head_dim + d]) * scale; \
     for (int64_t b = 0; b < PREFETCH_BLOCKS && b < num_blocks; b++)                                        \
         prefetch_tile(k_cache + table[b] * tile, head_dim * block_size * sizeof(T));                       \
     for (int64_t b = 0; b < num_blocks; b++) {  /* scores: s[t] += q[d] * K[d][t] */                     \
@@ -64,82 +96,104 @@ static inline __attribute__((always_inline)) void NAME(                         
             prefetch_tile(k_cache + table[b + PREFETCH_BLOCKS] * tile, head_dim * block_size * sizeof(T)); \
         prefetch_tile(v_cache + table[b] * tile, head_dim * block_size * sizeof(T));                       \
         TILE(k, &tile_buf, head_dim * block_size);                                                         \
-        for (int64_t g = 0; g < group; g++) {                                                              \
-            /* CHAINS partial sums (d mod CHAINS) keep that many FMAs in flight instead of one chain. */  \
-            float s[CHAINS][MAX_BLOCK_SIZE] = {{0}};                                                       \
-            for (int64_t d = 0; d < head_dim; d += CHAINS)                                                 \
-                for (int64_t c = 0; c < CHAINS; c++) {                                                     \
-                    _Pragma("omp simd")                                                                    \
-                    for (int64_t t = 0; t < block_size; t++)                                               \
-                        s[c][t] += qf[g][d + c] * kv[(d + c) * block_size + t];                            \
-                }                                                                                          \
-            float *dst = scores + g * stride + b * block_size;                                             \
-            _Pragma("omp simd")                                                                            \
-            for (int64_t t = 0; t < block_size; t++) dst[t] = s[0][t] + s[1][t] + s[2][t] + s[3][t];       \
+        for (int64_t j = 0; j < nq; j++) {                                                                 \
+            if (b * block_size >= ctx0 + j) continue;  /* this query's context ends before the block */   \
+            for (int64_t g = 0; g < group; g++) {                                                          \
+                /* CHAINS partial sums (d mod CHAINS) keep that many FMAs in flight instead of one chain. */ \
+                float s[CHAINS][MAX_BLOCK_SIZE] = {{0}};                                                   \
+                for (int64_t d = 0; d < head_dim; d += CHAINS)                                             \
+                    for (int64_t c = 0; c < CHAINS; c++) {                                                 \
+                        _Pragma("omp simd")                                                                \
+                        for (int64_t t = 0; t < block_size; t++)                                           \
+                            s[c][t] += qf[j][g][d + c] * kv[(d + c) * block_size + t];                     \
+                    }                                                                                      \
+                float *dst = scores + (j * group + g) * row + b * block_size;                              \
+                _Pragma("omp simd")                                                                        \
+                for (int64_t t = 0; t < block_size; t++) dst[t] = s[0][t] + s[1][t] + s[2][t] + s[3][t];   \
+            }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
-    for (int64_t g = 0; g < group; g++) {  /* softmax over the ctx real tokens (a tile may run past) */   \
-        float *sc = scores + g * stride, m = sc[0], sum = 0.f;                                             \
-        for (int64_t t = 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;                                       \
-        _Pragma("omp simd reduction(+:sum)")                                                               \
-        for (int64_t t = 0; t < ctx; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }                       \
-        const float inv = 1.f / sum;                                                                       \
-        for (int64_t t = 0; t < ctx; t++) sc[t] *= inv;                                                    \
-    }                                                                                                      \
+    for (int64_t j = 0; j < nq; j++)                                                                       \
+        for (int64_t g = 0; g < group; g++)                                                                \
+            softmax_row(scores + (j * group + g) * row, ctx0 + j, round_up(ctx0 + j, SCORE_ALIGN));        \
+    for (int64_t j = 0; j < nq; j++)                                                                       \
+        for (int64_t g = 0; g < group; g++)                                                                \
+            for (int64_t d = 0; d < head_dim; d++) acc[j][g][d] = 0.f;                                     \
     for (int64_t b = 0; b < num_blocks; b++) {  /* acc[d] += p[t] * V[t][d] */                           \
         const T *v = v_cache + table[b] * tile;                                                            \
-        const int64_t n = ctx - b * block_size < block_size ? ctx - b * block_size : block_size;           \
-        TILE(v, &tile_buf, n * head_dim);                                                                  \
-        for (int64_t g = 0; g < group; g++) {                                                              \
-            const float *p = scores + g * stride + b * block_size;                                         \
-            int64_t t = 0;                                                                                 \
-            for (; t + 4 <= n; t += 4) {  /* four rows per pass: a quarter of the acc loads and stores */  \
-                const float *r = kv + t * head_dim;                                                        \
-                _Pragma("omp simd")                                                                        \
-                for (int64_t d = 0; d < head_dim; d++)                                                     \
-                    acc[g][d] += p[t] * r[d] + p[t + 1] * r[head_dim + d] + p[t + 2] * r[2 * head_dim + d] \
-                                 + p[t + 3] * r[3 * head_dim + d];                                         \
-            }                                                                                              \
-            for (; t < n; t++) {                                                                           \
-                _Pragma("omp simd")                                                                        \
-                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p[t] * kv[t * head_dim + d];           \
+        const int64_t rows = ctx_max - b * block_size < block_size ? ctx_max - b * block_size : block_size; \
+        TILE(v, &tile_buf, rows * head_dim);                                                               \
+        for (int64_t j = 0; j < nq; j++) {                                                                 \
+            const int64_t ctx = ctx0 + j;                                                                  \
+            if (b * block_size >= ctx) continue;                                                           \
+            const int64_t n = ctx - b * block_size < block_size ? ctx - b * block_size : block_size;       \
+            for (int64_t g = 0; g < group; g++) {                                                          \
+                const float *p = scores + (j * group + g) * row + b * block_size;                          \
+                float *a = acc[j][g];                                                                      \
+                int64_t t = 0;                                                                             \
+                for (; t + 4 <= n; t += 4) {  /* four rows per pass: a quarter of the acc loads and stores */ \
+                    const float *r = kv + t * head_dim;                                                    \
+                    _Pragma("omp simd")                                                                    \
+                    for (int64_t d = 0; d < head_dim; d++)                                                 \
+                        a[d] += p[t] * r[d] + p[t + 1] * r[head_dim + d] + p[t + 2] * r[2 * head_dim + d]  \
+                                + p[t + 3] * r[3 * head_dim + d];                                          \
+                }                                                                                          \
+                for (; t < n; t++) {                                                                       \
+                    _Pragma("omp simd")                                                                    \
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p[t] * kv[t * head_dim + d];            \
+                }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
-    for (int64_t g = 0; g < group; g++)                                                                    \
-        for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = STORE(acc[g][d]);                   \
+    for (int64_t j = 0; j < nq; j++)                                                                       \
+        for (int64_t g = 0; g < group; g++)                                                                \
+            for (int64_t d = 0; d < head_dim; d++) out[j * out_stride + g * head_dim + d] = STORE(acc[j][g][d]); \
 }
 
+/* q: [tokens] rows q_stride apart, each [num_heads][head_dim]; out: [tokens][num_heads * head_dim]
+ * contiguous. Span s covers query rows span_start[s] .. + span_len[s], sees span_ctx0[s] + i tokens at
+ * its i-th query, and reads blocks block_tables[s * max_blocks ...]. Rows outside every span (padding)
+ * are left alone. */
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE, TILE)                                                                \
 DEFINE_TASK(NAME##_task, T, LOAD, STORE, TILE)                                                                   \
 void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *block_tables,     \
-          int64_t max_blocks,                                                                              \
-          const int64_t *context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,          \
-          int64_t head_dim, int64_t block_size, float scale, T *out) {                                     \
+          int64_t max_blocks, const int64_t *span_start, const int64_t *span_len, const int64_t *span_ctx0, \
+          int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, \
+          float scale, T *out) {                                                                           \
     const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;                     \
-    /* A sequence's heads go to one thread, one after the other, when there are enough sequences to share \
-     * out: its blocks then stream through one core's cache (64 sequences x 300 tokens: 1.13x faster). */ \
-    const int64_t chunk = num_seqs >= 8 ? num_kv_heads : 1;                                                \
+    const int64_t tile = num_kv_heads * head_tile, out_stride = num_heads * head_dim;                      \
+    /* Tasks (span, query tile), the most expensive (longest context) first, for load balance. */        \
+    int64_t num_tiles = 0;                                                                                 \
+    for (int64_t s = 0; s < num_spans; s++) num_tiles += (span_len[s] + Q_TILE - 1) / Q_TILE;              \
+    int64_t (*tasks)[2] = malloc(sizeof(int64_t[2]) * num_tiles);                                          \
+    for (int64_t s = 0, n = 0; s < num_spans; s++)                                                         \
+        for (int64_t i = (span_len[s] - 1) / Q_TILE * Q_TILE; i >= 0; i -= Q_TILE) { tasks[n][0] = s; tasks[n++][1] = i; } \
+    /* A sequence's heads go to one thread, one after the other, when there are enough tiles to share   \
+     * out: its blocks then stream through one core's cache. */                                          \
+    const int64_t chunk = num_tiles >= 8 ? num_kv_heads : 1;                                               \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, chunk)")                                       \
-    for (int64_t s = 0; s < num_seqs; s++)                                                                 \
+    for (int64_t n = 0; n < num_tiles; n++)                                                                \
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                    \
-            const int64_t ctx = context_lens[s], padded = (ctx + block_size - 1) / block_size * block_size; \
-            float *scores = malloc(sizeof(float) * group * padded);                                        \
-            const int64_t head0 = (s * num_heads + kh * group) * head_dim;  /* in out, contiguous */      \
-            const T *qh = q + s * q_stride + kh * group * head_dim;                                        \
+            const int64_t s = tasks[n][0], i = tasks[n][1], start = span_start[s] + i;                     \
+            const int64_t nq = span_len[s] - i < Q_TILE ? span_len[s] - i : Q_TILE, ctx0 = span_ctx0[s] + i; \
+            const int64_t row = round_up(round_up(ctx0 + nq - 1, block_size), SCORE_ALIGN);                \
+            float *scores = aligned_alloc(64, sizeof(float) * nq * group * row);                           \
+            const T *qh = q + start * q_stride + kh * group * head_dim;                                    \
+            T *oh = out + start * out_stride + kh * group * head_dim;                                      \
             const T *k = k_cache + kh * head_tile, *v = v_cache + kh * head_tile;                          \
-            const int64_t *table = block_tables + s * max_blocks, tile = num_kv_heads * head_tile;         \
+            const int64_t *table = block_tables + s * max_blocks;                                          \
             /* Literal sizes for the common shapes let the compiler unroll and keep tiles in registers. */ \
             if (head_dim == 64 && block_size == 16)                                                        \
-                NAME##_task(qh, k, v, table, ctx, group, 64, 16, tile, scale, out + head0, scores); \
+                NAME##_task(qh, q_stride, k, v, table, ctx0, nq, group, 64, 16, tile, scale, oh, out_stride, scores, row); \
             else if (head_dim == 128 && block_size == 16)                                                  \
-                NAME##_task(qh, k, v, table, ctx, group, 128, 16, tile, scale, out + head0, scores); \
+                NAME##_task(qh, q_stride, k, v, table, ctx0, nq, group, 128, 16, tile, scale, oh, out_stride, scores, row); \
             else                                                                                           \
-                NAME##_task(qh, k, v, table, ctx, group, head_dim, block_size, tile, scale,         \
-                            out + head0, scores);                                                          \
+                NAME##_task(qh, q_stride, k, v, table, ctx0, nq, group, head_dim, block_size, tile, scale, oh, \
+                            out_stride, scores, row);                                                      \
             free(scores);                                                                                  \
         }                                                                                                  \
+    free(tasks);                                                                                           \
 }
 
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, bf16_to_float, float_to_bf16, bf16_tile)
-DEFINE_KERNEL(paged_decode_attention_f32, float, f32_load, f32_store, f32_tile)
+DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_to_float, float_to_bf16, bf16_tile)
+DEFINE_KERNEL(paged_attention_f32, float, f32_load, f32_store, f32_tile)

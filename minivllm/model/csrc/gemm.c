@@ -1,0 +1,171 @@
+/* The model's linear layers on the CPU, out = x @ W^T (+ bias), for any number of rows, batch-invariant.
+ *
+ * One kernel serves 1 row (a decode step of one sequence) and 2,048 rows (a prefill chunk), and every
+ * output element is summed in the same order whatever the row count, the tile it falls in or the thread
+ * that computes it: acc = 0; for each k (bf16: each pair of k) in order, acc += x[m][k] * W[n][k] in
+ * float32; then one rounding to the output dtype (bias added in float32 first). Nothing is split along K.
+ * So a token's activations are the same bits whether it is computed alone, in a crowd, in a prefill or in
+ * a decode (issue 12), which oneDNN (blocking chosen by row count) and a few-row kernel beside a many-row
+ * one cannot promise.
+ *
+ * It vectorizes over output columns: the weights are packed once (pack_*) into panels of PANEL columns,
+ * each panel contiguous over K, so a column vector's k-th weights are one 64-byte load; a row's x[k] is
+ * broadcast. bf16 uses AVX512-BF16 (vdpbf16ps: 16 lanes x one k pair per instruction), float32 AVX-512
+ * FMA. A tile is up to MAX_ROWS rows x PANEL columns, held in registers for the whole K loop.
+ *
+ * Threads split the column panels (and, for many rows, the row blocks); neither changes any sum.
+ */
+#include <stdint.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define PANEL 32      /* output columns per panel: two 16-lane vectors */
+#define MAX_ROWS 12   /* rows per tile: 24 accumulators + 2 weight vectors of the 32 zmm registers */
+#define ROW_BLOCK 96  /* rows of x a thread works through per panel, while the panel sits in L2 */
+#define PREFETCH 1024 /* bytes ahead in the panel's weight stream: DRAM latency at a few rows */
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Store one tile row's two accumulators (columns n0..n0+32, of which `valid` exist) with the bias. */
+#define STORE_ROW(OUT_T, CONVERT)                                                                     \
+    static inline void store_row_##OUT_T(OUT_T *dst, __m512 a0, __m512 a1, const float *bias, int valid) { \
+        if (bias) {                                                                                    \
+            a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias));                                             \
+            a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + 16));                                        \
+        }                                                                                              \
+        CONVERT                                                                                        \
+    }
+
+STORE_ROW(uint16_t, {
+    const __mmask16 m0 = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+    const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+    _mm256_mask_storeu_epi16(dst, m0, (__m256i)_mm512_cvtneps_pbh(a0));
+    _mm256_mask_storeu_epi16(dst + 16, m1, (__m256i)_mm512_cvtneps_pbh(a1));
+})
+
+STORE_ROW(float, {
+    const __mmask16 m0 = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+    const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+    _mm512_mask_storeu_ps(dst, m0, a0);
+    _mm512_mask_storeu_ps(dst + 16, m1, a1);
+})
+
+/* The packed bf16 panel: for each pair of k, 32 columns x 2 k = 32 uint32 (64 bytes per vector of 16). */
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void tile_bf16(
+        const uint16_t *x, int64_t ldx, const uint32_t *panel, int64_t pairs, int rows,
+        const float *bias, uint16_t *out, int64_t ldo, int valid) {
+    __m512 acc[MAX_ROWS][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint32_t *w = panel + p * PANEL;
+        if (rows <= 4) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 16);
+        for (int m = 0; m < rows; m++) {
+            uint32_t pair;
+            __builtin_memcpy(&pair, x + m * ldx + 2 * p, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+        }
+    }
+    for (int m = 0; m < rows; m++) store_row_uint16_t(out + m * ldo, acc[m][0], acc[m][1], bias, valid);
+}
+#endif
+
+static inline __attribute__((always_inline)) void tile_f32(
+        const float *x, int64_t ldx, const float *panel, int64_t K, int rows,
+        const float *bias, float *out, int64_t ldo, int valid) {
+    __m512 acc[MAX_ROWS][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float *w = panel + k * PANEL;
+        if (rows <= 4) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        for (int m = 0; m < rows; m++) {
+            const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+            acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < rows; m++) store_row_float(out + m * ldo, acc[m][0], acc[m][1], bias, valid);
+}
+
+/* Dispatch a tile of `rows` (1..MAX_ROWS) to a copy of the tile function with that literal row count,
+ * so that its accumulators live in registers. */
+#define DISPATCH(TILE, rows, ...)                                                                     \
+    switch (rows) {                                                                                   \
+        case 1: TILE(__VA_ARGS__, 1); break;   case 2: TILE(__VA_ARGS__, 2); break;                  \
+        case 3: TILE(__VA_ARGS__, 3); break;   case 4: TILE(__VA_ARGS__, 4); break;                  \
+        case 5: TILE(__VA_ARGS__, 5); break;   case 6: TILE(__VA_ARGS__, 6); break;                  \
+        case 7: TILE(__VA_ARGS__, 7); break;   case 8: TILE(__VA_ARGS__, 8); break;                  \
+        case 9: TILE(__VA_ARGS__, 9); break;   case 10: TILE(__VA_ARGS__, 10); break;                \
+        case 11: TILE(__VA_ARGS__, 11); break; default: TILE(__VA_ARGS__, 12); break;                \
+    }
+
+/* The loop over (panel, row block) tasks, shared by both dtypes. TILE_CALL(m0, rows, n0) computes one tile. */
+#define GEMM_LOOP(M, N, TILE_CALL)                                                                    \
+    const int64_t panels = (N + PANEL - 1) / PANEL, row_blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;    \
+    _Pragma("omp parallel for collapse(2) schedule(static) if(panels * M * K > 32768)")                      \
+    for (int64_t rb = 0; rb < row_blocks; rb++)                                                       \
+        for (int64_t pn = 0; pn < panels; pn++) {                                                     \
+            const int64_t n0 = pn * PANEL, m_end = min64(M, (rb + 1) * ROW_BLOCK);                     \
+            for (int64_t m0 = rb * ROW_BLOCK; m0 < m_end; m0 += MAX_ROWS) {                           \
+                const int rows = (int)min64(MAX_ROWS, m_end - m0);                                    \
+                TILE_CALL(m0, rows, n0);                                                              \
+            }                                                                                         \
+        }
+
+#if defined(__AVX512BF16__)
+#define BF16_TILE(m0, n0, R)                                                                          \
+    tile_bf16(x + (m0) * ldx, ldx, w + (n0) * (K / 2), K / 2, R, bias ? bias + (n0) : 0,             \
+              out + (m0) * ldo + (n0), ldo, (int)min64(PANEL, N - (n0)))
+#define BF16_CALL(m0, rows, n0) DISPATCH(BF16_TILE, rows, m0, n0)
+
+/* x [M, K] (row stride ldx), packed weights from pack_bf16, bias float32 [>= padded N] or NULL,
+ * out [M, N] (row stride ldo). K must be even. */
+void gemm_bf16(const uint16_t *x, int64_t ldx, const uint32_t *w, const float *bias, uint16_t *out, int64_t ldo,
+               int64_t M, int64_t N, int64_t K) {
+    GEMM_LOOP(M, N, BF16_CALL)
+}
+
+/* W [N, K] bf16 -> panels [ceil(N / PANEL)][K / 2][PANEL] of (W[n][2p], W[n][2p + 1]) pairs; the columns
+ * past N are zero. `packed` holds ceil(N / PANEL) * PANEL * K / 2 uint32. */
+void pack_bf16(const uint16_t *w, uint32_t *packed, int64_t N, int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for
+    for (int64_t pn = 0; pn < panels; pn++)
+        for (int64_t p = 0; p < K / 2; p++)
+            for (int64_t c = 0; c < PANEL; c++) {
+                const int64_t n = pn * PANEL + c;
+                packed[(pn * (K / 2) + p) * PANEL + c] =
+                    n < N ? (uint32_t)w[n * K + 2 * p] | (uint32_t)w[n * K + 2 * p + 1] << 16 : 0;
+            }
+}
+#endif
+
+#define F32_TILE(m0, n0, R)                                                                           \
+    tile_f32(x + (m0) * ldx, ldx, w + (n0) * K, K, R, bias ? bias + (n0) : 0,                        \
+             out + (m0) * ldo + (n0), ldo, (int)min64(PANEL, N - (n0)))
+#define F32_CALL(m0, rows, n0) DISPATCH(F32_TILE, rows, m0, n0)
+
+void gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *out, int64_t ldo,
+              int64_t M, int64_t N, int64_t K) {
+    GEMM_LOOP(M, N, F32_CALL)
+}
+
+/* W [N, K] float32 -> panels [ceil(N / PANEL)][K][PANEL]; the columns past N are zero. */
+void pack_f32(const float *w, float *packed, int64_t N, int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for
+    for (int64_t pn = 0; pn < panels; pn++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t c = 0; c < PANEL; c++) {
+                const int64_t n = pn * PANEL + c;
+                packed[(pn * K + k) * PANEL + c] = n < N ? w[n * K + k] : 0.f;
+            }
+}
+#endif
