@@ -21,7 +21,7 @@ from minivllm.bench.metrics import Distribution, RequestRecord, ServingMetrics, 
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import StepRow, StepTracer
+from minivllm.engine.trace import StepRow, StepTracer, run_record
 from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import SamplingParams
 
@@ -75,7 +75,7 @@ def run_engine(config: EngineConfig, requests: list[BenchRequest], trace_path: s
                show_progress: bool = True) -> SystemRun:
     engine = LLMEngine(config)
     warm_up(engine)
-    engine.tracer = StepTracer(trace_path, engine.start_time)  # from here on: the warm-up stays out
+    engine.tracer = StepTracer(trace_path, engine.start_time, run_record(config))  # from here on: the warm-up stays out
     try:
         return replay_engine(engine, requests, config.scheduler, show_progress)
     finally:

@@ -23,7 +23,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, ModelParts, num_kv_blocks
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.trace import StepTracer
+from minivllm.engine.trace import StepTracer, run_record
 from minivllm.model.loader import ModelConfig
 from minivllm.model.sampler import SamplerOutput
 from minivllm.outputs import RequestMetrics
@@ -68,7 +68,7 @@ def simulated_engine(config: EngineConfig, model_config: ModelConfig, cost: Cost
     parts = ModelParts(model_config, None, CostRunner(cost, clock), FixedTokenSampler(model_config),
                        num_kv_blocks(config, model_config, config.torch_dtype))
     engine = LLMEngine(config, parts=parts, clock=clock)
-    engine.tracer = StepTracer(trace_path, engine.start_time)  # rows in memory; files with a path
+    engine.tracer = StepTracer(trace_path, engine.start_time, run_record(config))  # rows in memory; files with a path
     return engine, clock
 
 

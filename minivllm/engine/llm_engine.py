@@ -30,7 +30,7 @@ from minivllm.engine.scheduler import Scheduler, SchedulerOutput, prompt_logprob
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
-from minivllm.engine.trace import StepRow, StepTracer
+from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
@@ -104,7 +104,8 @@ class LLMEngine:
         self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
         self._ids = itertools.count()
         self.start_time = clock()
-        self.tracer = StepTracer(config.trace_file, self.start_time) if config.trace_file else None
+        self.tracer = StepTracer(config.trace_file, self.start_time, run_record(config)) if config.trace_file else None
+        self.observers: list[StepObserver] = []  # told what the tracer is told (the server's live feed)
         # Seconds spent in each phase of step(); the runner splits "model" into input preparation
         # and the forward pass (runner.prepare_time).
         self.step_time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "update": 0.0}
@@ -167,6 +168,7 @@ class LLMEngine:
             seq.grammar_future = self.structured_output.compile(params.structured_outputs)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        self._notify(seq)
         return request_id
 
     @property
@@ -214,6 +216,15 @@ class LLMEngine:
             return
         self._finish(seq, "abort")
         self._aborted.append(seq)
+        self._notify(seq)
+
+    @property
+    def _observers(self) -> list[StepObserver]:
+        return ([self.tracer] if self.tracer else []) + self.observers
+
+    def _notify(self, seq: Sequence) -> None:
+        for observer in self._observers:
+            observer.on_request(seq, self.clock())
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -289,14 +300,15 @@ class LLMEngine:
         self.stats["num_steps"] += 1
         self.stats["padding_tokens"] += sched.num_padding_tokens
         self.stats["prompt_tokens"] += sched.num_prefill_tokens
-        if self.tracer:
+        if observers := self._observers:
             bm, t0 = self.block_manager, self.start_time
             row = StepRow(self.stats["num_steps"], t_start - t0, self.clock() - t0,
                           sched.num_scheduled_tokens + sched.num_padding_tokens, sched.num_prefill_tokens,
                           sched.num_decode_tokens, sched.num_padding_tokens, self.scheduler.num_running,
                           self.scheduler.num_waiting, bm.num_used_blocks, bm.num_blocks, len(sched.preempted),
                           len(finished))
-            self.tracer.record(row, sched, finished)
+            for observer in observers:
+                observer.record(row, sched, finished)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         seq.append_token(token)

@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream=true)
     GET  /v1/models, /health, /metrics
+    GET  /, /dashboard (and /dashboard/...): the live view of the step loop (dashboard.py)
 
 Known fields are parsed strictly (an ill-typed value is a 400 that names the field) and validated
 before anything streams, so a bad request never becomes a broken stream. Fields the server does not
@@ -34,9 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minivllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequest, QueueFullError, RequestStream
+from minivllm.engine.live import LiveFeed
 from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.engine.trace import run_record
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.server.dashboard import Dashboard, add_routes
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput, required_schema
 
@@ -892,6 +896,8 @@ async def _collect(stream: RequestStream, request: Request) -> list[RequestOutpu
 # -- the app -----------------------------------------------------------------------------------------------------
 def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     server = OpenAIServer(engine, options)
+    feed = LiveFeed(engine.start_time, run_record(engine.config))
+    engine.observers.append(feed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -906,6 +912,7 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     app.get("/v1/models", dependencies=v1)(server.models)
     app.post("/v1/completions", dependencies=v1)(server.completions)
     app.post("/v1/chat/completions", dependencies=v1)(server.chat_completions)
+    add_routes(app, Dashboard(options.api_key, feed, title=options.served_model_name))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -938,6 +945,10 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             host = f"[{host}]" if ":" in host else host
             print(f"minivllm: serving {self.model_name} on http://{host}:{port}", flush=True)
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.config.app.state.dashboard.close()  # its event streams never end by themselves
+        await super().shutdown(sockets)
 
 
 def serve(engine: LLMEngine, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000) -> None:
