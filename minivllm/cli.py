@@ -1,4 +1,4 @@
-"""`minivllm generate|chat|demo|serve|bench`."""
+"""`minivllm generate|chat|demo|serve|view|bench`."""
 from __future__ import annotations
 
 import argparse
@@ -124,6 +124,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(engine, options, args.host, args.port)
 
 
+def cmd_view(args: argparse.Namespace) -> None:
+    from minivllm.server.dashboard import view
+
+    view(args.traces, args.host, args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how tool calls are read out of the model's text (hermes: <tool_call>{json}</tool_call>)")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("view", help="replay step traces in the dashboard, side by side")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="steps.csv, .json or .jsonl of --trace-file or bench compare (all three share a stem)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
+    p.set_defaults(func=cmd_view)
 
     from minivllm.bench.cli import add_bench_parser  # bench keeps its flags in minivllm/bench/
     add_bench_parser(sub)

@@ -100,4 +100,4 @@ def _merge(outs: list[RequestOutput]) -> RequestOutput:
                                     o.outputs[0].stop_reason, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob)
                    for i, o in enumerate(outs)]
     return RequestOutput(first.request_id.rsplit("-", 1)[0], first.prompt, first.prompt_token_ids, completions,
-                         True, first.metrics)
+                         True, first.metrics, first.prompt_logprobs)

@@ -65,3 +65,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # when SamplingParams.prompt_logprobs

@@ -19,22 +19,29 @@ CROWD = [f"Write a short story about a {a} who finds a {b}." * r
                                      ("baker", "letter"), ("king", "coin"), ("fox", "song"), ("miner", "lamp")], 1)]
 
 
-def probe_params(seed: int | None = None) -> SamplingParams:
-    if seed is None:
+def probe_params(i: int) -> SamplingParams:
+    """Probe i of PROBES runs greedy, probe len(PROBES) + i the same prompt seeded."""
+    if i < len(PROBES):
         return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    return SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=24, ignore_eos=True, logprobs=5)
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=24, ignore_eos=True, logprobs=5)
 
 
-def run(llm: LLM, crowd: bool = False, seeded: bool = False) -> list[tuple[list[int], list[Any]]]:
-    """The probes' (tokens, per-step logprobs), run together, among the crowd's requests if asked."""
-    prompts = list(PROBES)
-    params = [probe_params(seed=100 + i if seeded else None) for i in range(len(PROBES))]
-    if crowd:  # the crowd first, with other lengths: the probes sit at other positions in every step
-        prompts = CROWD + prompts
-        params = [SamplingParams(temperature=0.7, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(CROWD))] + params
-    outs = llm.generate(prompts, params, use_tqdm=False)[-len(PROBES):]
+NUM_PROBES = 2 * len(PROBES)
+
+
+def result(out) -> tuple[list[int], list[Any]]:
+    return out.outputs[0].token_ids, out.outputs[0].logprobs
+
+
+def run(llm: LLM) -> list[tuple[list[int], list[Any]]]:
+    """The probes' (tokens, per-step logprobs), all run together among the crowd's requests (the crowd
+    first, with other lengths: the probes sit at other positions in every step)."""
+    prompts = CROWD + [PROBES[i % len(PROBES)] for i in range(NUM_PROBES)]
+    params = ([SamplingParams(temperature=0.7, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(CROWD))]
+              + [probe_params(i) for i in range(NUM_PROBES)])
+    outs = llm.generate(prompts, params, use_tqdm=False)[-NUM_PROBES:]
     assert_idle(llm.engine)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    return [result(o) for o in outs]
 
 
 def bf16(**engine_args: Any) -> LLM:
@@ -46,40 +53,33 @@ def bf16(**engine_args: Any) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[bool, list]:
-    """Each probe alone on a fresh engine (no cache), greedy and seeded."""
-    refs = {}
-    for seeded in (False, True):
-        llm = bf16(enable_prefix_caching=False)
-        refs[seeded] = [run_one(llm, i, seeded) for i in range(len(PROBES))]
-    return refs
-
-
-def run_one(llm: LLM, i: int, seeded: bool) -> tuple[list[int], list[Any]]:
-    out = llm.generate([PROBES[i]], probe_params(seed=100 + i if seeded else None), use_tqdm=False)[0]
-    return out.outputs[0].token_ids, out.outputs[0].logprobs
+def reference() -> list[tuple[list[int], list[Any]]]:
+    """Each probe alone on a fresh engine (no cache)."""
+    llm = bf16(enable_prefix_caching=False)
+    return [result(llm.generate([PROBES[i % len(PROBES)]], probe_params(i), use_tqdm=False)[0])
+            for i in range(NUM_PROBES)]
 
 
 SETTINGS = {
-    "together": (dict(), False),
-    "crowd": (dict(), True),
-    "budget-32": (dict(max_num_batched_tokens=32), True),
-    "preemption": (dict(num_kv_blocks=30, max_model_len=320), True),
-    "caching-off": (dict(enable_prefix_caching=False), True),
-    "static": (dict(scheduler="static", static_batch_size=5), True),
+    "crowd": dict(),
+    "budget-32": dict(max_num_batched_tokens=32),
+    "preemption": dict(num_kv_blocks=30, max_model_len=320),
+    "caching-off": dict(enable_prefix_caching=False),
+    "static": dict(scheduler="static", static_batch_size=5),
 }
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("name", SETTINGS)
-def test_same_request_same_logits(name: str, seeded: bool, reference: dict[bool, list]) -> None:
-    engine_args, crowd = SETTINGS[name]
+def test_same_request_same_logits(name: str, reference: list) -> None:
+    """Greedy and seeded probes, in a crowd, under each engine setting, then again (prefix-cache hits
+    where caching is on): each probe's tokens and logprobs equal its run alone."""
+    engine_args = SETTINGS[name]
     llm = bf16(**engine_args)
-    first = run(llm, crowd=crowd, seeded=seeded)
-    again = run(llm, crowd=crowd, seeded=seeded)  # prefix-cache hits where caching is on
-    for i, (ref, got, repeat) in enumerate(zip(reference[seeded], first, again)):
-        assert got == ref, f"{name}: probe {i} ({PROBES[i][:30]!r}) differs from its run alone"
-        assert repeat == ref, f"{name}: probe {i} differs on the repeat (prefix-cache hit)"
+    first, again = run(llm), run(llm)
+    for i, (ref, got, repeat) in enumerate(zip(reference, first, again)):
+        what = f"{name}: probe {i} ({'greedy' if i < len(PROBES) else 'seeded'}, {PROBES[i % len(PROBES)][:30]!r})"
+        assert got == ref, f"{what} differs from its run alone"
+        assert repeat == ref, f"{what} differs on the repeat"
     stats = llm.engine.get_stats()
     if name == "preemption":
         assert stats["num_preemptions"] > 0, "the pool is small enough to force preemption"

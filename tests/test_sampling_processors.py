@@ -121,3 +121,25 @@ def test_invalid_grammar_and_token_ids_are_value_errors(llm) -> None:
         llm.generate("Hi", SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])
+
+
+def test_prompt_logprobs_match_transformers_and_chunking(llm, small_budget_llm, hf_model) -> None:
+    """Each prompt token's logprob (and the top 3) as transformers computes them; the same floats when the
+    prompt is chunked 32 tokens at a time (batch invariance) and on a repeat, which skips the prefix cache
+    (cached positions have no logits)."""
+    prompt = EQUALITY_PROMPTS[-1]  # 200+ tokens: many chunks at a budget of 32
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        assert abs(entry[ids[p]] - reference[p - 1, ids[p]].item()) < 1e-4, p
+        top = reference[p - 1].topk(3)
+        assert set(top.indices.tolist()) <= set(entry), p
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.prompt_logprobs == out.prompt_logprobs and again.metrics.num_cached_tokens == 0
+    chunked = small_budget_llm.generate(prompt, params, use_tqdm=False)[0]
+    assert chunked.prompt_logprobs == out.prompt_logprobs

@@ -219,7 +219,7 @@ BAD = [
     ({"prompt": "Hi", "structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"prompt": "Hi", "guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"prompt": "Hi", "allowed_token_ids": [10**7]}, "allowed_token_ids"),
-    ({"prompt": "Hi", "prompt_logprobs": 1}, "prompt_logprobs"),  # not yet: refused, not silently dropped
+    ({"prompt": "Hi", "prompt_logprobs": 50}, "prompt_logprobs"),
 ]
 
 
@@ -246,6 +246,16 @@ def test_echo(client: openai.OpenAI, model_name: str) -> None:
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=model_name, prompt="Hello there", max_tokens=3, echo=True, temperature=0, stream=True) if c.choices)
     assert streamed == out.choices[0].text
+
+
+def test_prompt_logprobs(client: openai.OpenAI, model_name: str) -> None:
+    """vLLM's extension: each prompt token's logprob and the top ones, None for the first token."""
+    out = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=2,
+                                    temperature=0, extra_body={"prompt_logprobs": 2})
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == out.usage.prompt_tokens
+    assert all(2 <= len(e) <= 3 and all(v["logprob"] <= 0 and "decoded_token" in v for v in e.values())
+               for e in entries[1:])
 
 
 # The request bodies of vLLM's benchmark client (vllm/benchmarks/lib/endpoint_request_func.py:

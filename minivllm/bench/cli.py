@@ -213,6 +213,20 @@ def _dtypes(text: str) -> tuple[str, ...]:
     return names
 
 
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """bench compare's arrival trace of short and long requests (bench simulate takes it too)."""
+    g = p.add_argument_group("arrival trace")
+    g.add_argument("--num-prompts", type=int, default=48)
+    g.add_argument("--request-rate", type=_rate, default=2.0, help="requests/s (Poisson at burstiness 1)")
+    g.add_argument("--burstiness", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--long-fraction", type=float, default=0.25, help="share of long requests")
+    g.add_argument("--short-input-len", type=parse_range, default=(16, 128), metavar="MIN:MAX")
+    g.add_argument("--short-output-len", type=parse_range, default=(8, 64), metavar="MIN:MAX")
+    g.add_argument("--long-input-len", type=parse_range, default=(256, 512), metavar="MIN:MAX")
+    g.add_argument("--long-output-len", type=parse_range, default=(128, 256), metavar="MIN:MAX")
+
+
 def cmd_scheduling(args: argparse.Namespace) -> None:
     from minivllm.bench.scheduling import run_chunked_prefill, run_fair, table
 
@@ -251,7 +265,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, scheduling, startup, "
-                                         "kernels, roofline")
+                                         "kernels, roofline; simulate, calibrate")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bench_sub.add_parser("throughput", help="offline throughput of a workload (minivllm or --backend hf)")
@@ -296,16 +310,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = bench_sub.add_parser("compare", help="static vs continuous batching on one arrival trace")
-    g = p.add_argument_group("arrival trace")
-    g.add_argument("--num-prompts", type=int, default=48)
-    g.add_argument("--request-rate", type=_rate, default=2.0, help="requests/s (Poisson at burstiness 1)")
-    g.add_argument("--burstiness", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--long-fraction", type=float, default=0.25, help="share of long requests")
-    g.add_argument("--short-input-len", type=parse_range, default=(16, 128), metavar="MIN:MAX")
-    g.add_argument("--short-output-len", type=parse_range, default=(8, 64), metavar="MIN:MAX")
-    g.add_argument("--long-input-len", type=parse_range, default=(256, 512), metavar="MIN:MAX")
-    g.add_argument("--long-output-len", type=parse_range, default=(128, 256), metavar="MIN:MAX")
+    add_trace_args(p)
     p.add_argument("--with-hf", action="store_true", help="also run Hugging Face transformers on static batches")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: --static-batch-size")
     p.add_argument("--output-dir", default="runs/compare", help="report.md, plots, step traces, results.json")
@@ -349,3 +354,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated dtypes to measure (default: bfloat16,float32)")
     _output_args(p, progress=False)
     p.set_defaults(func=cmd_roofline)
+
+    from minivllm.bench.simulate_cli import add_simulate_parsers
+    add_simulate_parsers(bench_sub)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -20,7 +21,7 @@ from minivllm.bench.metrics import Distribution, RequestRecord, ServingMetrics, 
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import StepRow, StepTracer
+from minivllm.engine.trace import StepRow, StepTracer, run_record
 from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import SamplingParams
 
@@ -44,20 +45,21 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def replay_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, show_progress: bool = True
-                  ) -> SystemRun:
+def replay_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, show_progress: bool = True,
+                  sleep: Callable[[float], None] = time.sleep) -> SystemRun:
+    """On the engine's clock: the wall clock, or the simulator's virtual one (with its `sleep`)."""
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     done: dict[str, RequestMetrics] = {}
     bar = tqdm(total=len(requests), desc=name, disable=not show_progress, dynamic_ncols=True)
-    t0 = time.perf_counter()
+    t0 = engine.clock()
     while pending or engine.has_unfinished_requests():
-        now = time.perf_counter()
+        now = engine.clock()
         while pending and t0 + pending[0].arrival <= now:
             req = pending.popleft()
             engine.add_request(req.request_id, req.prompt_token_ids, req.sampling_params(),
-                               arrival_time=t0 + req.arrival, tenant=req.tenant)
+                               arrival_time=t0 + req.arrival, priority=req.priority, tenant=req.tenant)
         if not engine.has_unfinished_requests():
-            time.sleep(t0 + pending[0].arrival - now)  # idle until the next arrival
+            sleep(t0 + pending[0].arrival - now)  # idle until the next arrival
             continue
         for out in engine.step():
             if out.finished:
@@ -73,7 +75,7 @@ def run_engine(config: EngineConfig, requests: list[BenchRequest], trace_path: s
                show_progress: bool = True) -> SystemRun:
     engine = LLMEngine(config)
     warm_up(engine)
-    engine.tracer = StepTracer(trace_path, engine.start_time)  # from here on: the warm-up stays out
+    engine.tracer = StepTracer(trace_path, engine.start_time, run_record(config))  # from here on: the warm-up stays out
     try:
         return replay_engine(engine, requests, config.scheduler, show_progress)
     finally:

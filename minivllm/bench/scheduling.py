@@ -67,10 +67,8 @@ def _rows(name: str, run, kinds: dict[str, str]) -> list[Row]:
     return out
 
 
-def run_chunked_prefill(base: EngineConfig, corpus: TextCorpus, seed: int, budget: int, out_dir: str,
-                        progress: bool, long_len: int = 2048, num_streams: int = 16) -> list[Row]:
-    requests = chunked_prefill_workload(corpus, np.random.default_rng(seed), long_len, num_streams)
-    settings = {
+def chunked_prefill_settings(base: EngineConfig, budget: int, long_len: int = 2048) -> dict[str, EngineConfig]:
+    return {
         f"chunked (budget {budget})": replace(base, enable_chunked_prefill=True, max_num_batched_tokens=budget),
         # The long prompt's chunk is capped, so that short prompts share every step's budget.
         f"chunked (budget {budget}, long-prefill threshold {budget // 2})": replace(
@@ -79,8 +77,26 @@ def run_chunked_prefill(base: EngineConfig, corpus: TextCorpus, seed: int, budge
         f"not chunked (budget {long_len + 64})": replace(base, enable_chunked_prefill=False,
                                                        max_num_batched_tokens=long_len + 64),
     }
+
+
+def fair_settings(base: EngineConfig) -> list[tuple[str, EngineConfig, bool]]:
+    """(name, config, with the heavy tenant) of each fair-share run."""
+    settings = []
+    for policy in ("fair", "fcfs"):
+        for with_heavy in (False, True):
+            if policy == "fcfs" and not with_heavy:
+                continue  # alone, every policy is the same
+            # Few slots, so that the flood waits in the queue that the policy orders.
+            config = replace(base, scheduling_policy=policy, max_num_seqs=min(base.max_num_seqs, FAIR_MAX_SEQS))
+            settings.append((f"{policy}, light {'beside 10x heavy' if with_heavy else 'alone'}", config, with_heavy))
+    return settings
+
+
+def run_chunked_prefill(base: EngineConfig, corpus: TextCorpus, seed: int, budget: int, out_dir: str,
+                        progress: bool, long_len: int = 2048, num_streams: int = 16) -> list[Row]:
+    requests = chunked_prefill_workload(corpus, np.random.default_rng(seed), long_len, num_streams)
     rows = []
-    for i, (name, config) in enumerate(settings.items()):
+    for i, (name, config) in enumerate(chunked_prefill_settings(base, budget, long_len).items()):
         run = run_engine(config, requests, f"{out_dir}/chunked-prefill-{i}.csv", progress)
         rows += _rows(name, run, {"short": "ttft", "stream": "itl"})
     return rows
@@ -89,16 +105,11 @@ def run_chunked_prefill(base: EngineConfig, corpus: TextCorpus, seed: int, budge
 def run_fair(base: EngineConfig, corpus: TextCorpus, seed: int, out_dir: str, progress: bool,
              num_light: int = 16) -> list[Row]:
     rows = []
-    for policy in ("fair", "fcfs"):
-        for with_heavy in (False, True):
-            if policy == "fcfs" and not with_heavy:
-                continue  # alone, every policy is the same
-            requests = fair_workload(corpus, np.random.default_rng(seed), with_heavy, num_light)
-            # Few slots, so that the flood waits in the queue that the policy orders.
-            config = replace(base, scheduling_policy=policy, max_num_seqs=min(base.max_num_seqs, FAIR_MAX_SEQS))
-            name = f"{policy}, light {'beside 10x heavy' if with_heavy else 'alone'}"
-            run = run_engine(config, requests, f"{out_dir}/fair-{policy}-{int(with_heavy)}.csv", progress)
-            rows += _rows(name, run, {"light": "ttft", "heavy": "ttft"} if with_heavy else {"light": "ttft"})
+    for name, config, with_heavy in fair_settings(base):
+        requests = fair_workload(corpus, np.random.default_rng(seed), with_heavy, num_light)
+        run = run_engine(config, requests, f"{out_dir}/fair-{config.scheduling_policy}-{int(with_heavy)}.csv",
+                         progress)
+        rows += _rows(name, run, {"light": "ttft", "heavy": "ttft"} if with_heavy else {"light": "ttft"})
     return rows
 
 

@@ -17,6 +17,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_hash(parent: int | None, tokens: list[int]) -> int:
+    """A full block's name: its tokens and, through `parent`, every block before it."""
+    return hash((parent, tuple(tokens)))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
@@ -51,14 +56,14 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_full_blocks):
             parent = seq.block_hashes[i - 1] if i else None
-            seq.block_hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return seq.block_hashes
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of `seq`; the last token is always left to compute,
         because its logits are needed to sample."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt_logprobs needs every prompt position's logits, as in vLLM
         bs = self.block_size
         num_full = (seq.num_tokens - 1) // bs
         hits: list[int] = []

@@ -3,6 +3,10 @@
     add_request -> Sequence(WAITING)
     step(): Scheduler.schedule -> ModelRunner.execute -> Sampler -> update (append, detokenize,
             check stops, free the blocks of finished sequences) -> RequestOutputs
+
+What it computes with (`ModelParts`) and its clock are injected: by default the loaded model and
+`time.perf_counter`; the simulator (bench/simulate.py) passes a cost model and a virtual clock, and
+runs this very step logic.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +26,17 @@ import torch
 from minivllm.config import EngineConfig, parse_size
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.policies import POLICIES
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput, will_sample
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput, prompt_logprob_positions, will_sample
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
-from minivllm.engine.trace import StepRow, StepTracer
+from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
 from minivllm.model.kernels import layer_ops
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
 from minivllm.model.sampler import Sampler
-from minivllm.model.tokenizer import IncrementalDetokenizer, get_tokenizer
+from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer, get_tokenizer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.startup import timed
@@ -49,38 +55,68 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Mo
     return model_config, LlamaForCausalLM.from_weights(model_config, weights, device, dtype)
 
 
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    return config.num_kv_blocks or max(
+        1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, dtype))
+
+
+@dataclass
+class ModelParts:
+    """What the engine computes with: `runner.execute(SchedulerOutput)` returns what `sampler(that,
+    sampling sequences)` turns into a SamplerOutput. Without a tokenizer, prompts are token ids and
+    outputs carry no text."""
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    runner: Any
+    sampler: Any
+    num_blocks: int
+    startup_time: dict[str, float] = field(default_factory=dict)  # seconds per phase of loading them
+
+
+def load_parts(config: EngineConfig) -> ModelParts:
+    """The real model: weights loaded, KV cache allocated, and the seconds each phase took."""
+    device, dtype = config.torch_device, config.torch_dtype
+    path = resolve_model_path(config.model)
+    phases: dict[str, float] = {}
+    with timed(phases, "kernels"):  # compiled on a cold cache, else loaded
+        layer_ops(device, dtype)
+    with timed(phases, "weights"):
+        model_config, model = load_model(path, device, dtype)
+    with timed(phases, "tokenizer"):
+        tokenizer = get_tokenizer(path, model_config)
+    num_blocks = num_kv_blocks(config, model_config, dtype)
+    with timed(phases, "kv_pool"):
+        runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
+    return ModelParts(model_config, tokenizer, runner, Sampler(device, config.seed), num_blocks, phases)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, parts: ModelParts | None = None,
+                 clock: Callable[[], float] = time.perf_counter, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.startup_time: dict[str, float] = {}  # seconds per start-up phase (a shared model's load is free)
-        path = resolve_model_path(config.model)
-        with timed(self.startup_time, "kernels"):  # compiled on a cold cache, else loaded
-            layer_ops(self.device, self.dtype)
-        with timed(self.startup_time, "weights"):
-            self.model_config, model = load_model(path, self.device, self.dtype)
-        with timed(self.startup_time, "tokenizer"):
-            self.tokenizer = get_tokenizer(path, self.model_config)
-
-        num_blocks = config.num_kv_blocks or max(
-            1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(self.model_config, config.block_size, self.dtype))
+        self.clock = clock
+        parts = parts or load_parts(config)
+        self.startup_time = dict(parts.startup_time)  # seconds per start-up phase (a shared model's load is free)
+        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
+        self.runner, self.sampler, num_blocks = parts.runner, parts.sampler, parts.num_blocks
         self.max_model_len = self._max_model_len(num_blocks)
-        with timed(self.startup_time, "kv_pool"):
-            self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
-        self.sampler = Sampler(self.device, config.seed)
 
         static = config.scheduler == "static"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not static)
         policy = POLICIES[config.scheduling_policy]()
-        self.scheduler = (StaticBatchScheduler(config, self.block_manager, policy, max_model_len=self.max_model_len)
-                          if static else Scheduler(config, self.block_manager, policy))
+        self.scheduler = (StaticBatchScheduler(config, self.block_manager, policy, clock=clock,
+                                               max_model_len=self.max_model_len)
+                          if static else Scheduler(config, self.block_manager, policy, clock=clock))
         self.requests: dict[str, Sequence] = {}  # unfinished requests
         self._structured_output: StructuredOutputManager | None = None  # made on first use
         self._structured_output_lock = threading.Lock()
         self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
         self._ids = itertools.count()
-        self.start_time = time.perf_counter()
-        self.tracer = StepTracer(config.trace_file, self.start_time) if config.trace_file else None
+        self.start_time = clock()
+        self.tracer = StepTracer(config.trace_file, self.start_time, run_record(config)) if config.trace_file else None
+        self.observers: list[StepObserver] = []  # told what the tracer is told (the server's live feed)
         # Seconds spent in each phase of step(); the runner splits "model" into input preparation
         # and the forward pass (runner.prepare_time).
         self.step_time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "update": 0.0}
@@ -124,23 +160,26 @@ class LLMEngine:
             raise ValueError(f"max_tokens is {params.max_tokens}, but the prompt has {len(token_ids)} tokens and "
                              f"max_model_len is {self.max_model_len}: at most {self.max_model_len - len(token_ids)} "
                              "new tokens fit")
-        if params.prompt_logprobs is not None:  # the runner computes the logits of the last token only
-            raise ValueError("prompt_logprobs is not supported yet")
         if params.n != 1:
             raise ValueError("n > 1 is served by LLM.generate and the server, which fan out; the engine takes n=1")
         vocab = self.model_config.vocab_size
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):  # the sampler indexes by them
             if any(t >= vocab for t in getattr(params, name) or []):
                 raise ValueError(f"{name} must hold token ids < the vocabulary size {vocab}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine has none")
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         seq = Sequence(request_id, text, token_ids, params,
-                       RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
-                       priority=priority, tenant=str(tenant), eos_token_ids=tuple(self.tokenizer.eos_token_ids))
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                       RequestMetrics(arrival_time=self.clock() if arrival_time is None else arrival_time),
+                       priority=priority, tenant=str(tenant), eos_token_ids=tuple(eos))
+        if self.tokenizer:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         seq.bad_words_token_ids = self._bad_words(params.bad_words or [])
         if params.structured_outputs is not None:
             seq.grammar_future = self.structured_output.compile(params.structured_outputs)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        self._notify(seq)
         return request_id
 
     @property
@@ -169,6 +208,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: the prompt must be token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
@@ -186,6 +227,15 @@ class LLMEngine:
             return
         self._finish(seq, "abort")
         self._aborted.append(seq)
+        self._notify(seq)
+
+    @property
+    def _observers(self) -> list[StepObserver]:
+        return ([self.tracer] if self.tracer else []) + self.observers
+
+    def _notify(self, seq: Sequence) -> None:
+        for observer in self._observers:
+            observer.on_request(seq, self.clock())
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -212,7 +262,7 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t_start = time.perf_counter()
+        t_start = self.clock()
         self._start_grammars()
         outputs = [self._make_output(s) for s in self._aborted]
         self._aborted = []
@@ -220,12 +270,15 @@ class LLMEngine:
         if not sched.scheduled:
             self._wait_for_grammars()
             return outputs
-        t_scheduled = time.perf_counter()
+        t_scheduled = self.clock()
         sampling = [s for s, n in sched.scheduled if will_sample(s, n)]
         logits = self.runner.execute(sched)
-        t_forward = time.perf_counter()
+        t_forward = self.clock()
+        if logits is not None and logits.shape[0] > len(sampling):  # rows past the sampling ones: prompt_logprobs
+            self._score_prompts(sched, logits[len(sampling):])
+            logits = logits[:len(sampling)]
         sampled = self.sampler(logits, sampling) if sampling else None
-        t_sampled = time.perf_counter()
+        t_sampled = self.clock()
         self.scheduler.on_step_done(sched)
         for i, seq in enumerate(sampling):
             self._append(seq, sampled.token_ids[i], sampled.logprobs[i], t_sampled)
@@ -235,21 +288,38 @@ class LLMEngine:
         times["schedule"] += t_scheduled - t_start
         times["model"] += t_forward - t_scheduled
         times["sample"] += t_sampled - t_forward
-        times["update"] += time.perf_counter() - t_sampled
+        times["update"] += self.clock() - t_sampled
         return outputs
+
+    @staticmethod
+    def _score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Append prompt_logprobs from the runner's extra rows: per scheduled sequence that asks, one row
+        per position of prompt_logprob_positions, in the order of sched.scheduled."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        row = 0
+        for seq, n in sched.scheduled:
+            for p in prompt_logprob_positions(seq, n):
+                token, k = seq.prompt_token_ids[p + 1], seq.params.prompt_logprobs
+                entry = {token: logp[row, token].item()}
+                if k:
+                    values, ids = logp[row].topk(k)
+                    entry.update(zip(ids.tolist(), values.tolist()))
+                seq.prompt_logprobs.append(entry)
+                row += 1
 
     def _count(self, sched: SchedulerOutput, t_start: float, finished: list[Sequence]) -> None:
         self.stats["num_steps"] += 1
         self.stats["padding_tokens"] += sched.num_padding_tokens
         self.stats["prompt_tokens"] += sched.num_prefill_tokens
-        if self.tracer:
+        if observers := self._observers:
             bm, t0 = self.block_manager, self.start_time
-            row = StepRow(self.stats["num_steps"], t_start - t0, time.perf_counter() - t0,
+            row = StepRow(self.stats["num_steps"], t_start - t0, self.clock() - t0,
                           sched.num_scheduled_tokens + sched.num_padding_tokens, sched.num_prefill_tokens,
                           sched.num_decode_tokens, sched.num_padding_tokens, self.scheduler.num_running,
                           self.scheduler.num_waiting, bm.num_used_blocks, bm.num_blocks, len(sched.preempted),
                           len(finished))
-            self.tracer.record(row, sched, finished)
+            for observer in observers:
+                observer.record(row, sched, finished)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         seq.append_token(token)
@@ -264,7 +334,7 @@ class LLMEngine:
             seq.cumulative_logprob += logprobs[token]
         if seq.grammar is not None and not seq.grammar.accept(token) and token not in seq.eos_token_ids:
             logger.warning("request %s: token %d is outside its grammar", seq.request_id, token)
-        delta = seq.detokenizer.add(token)
+        delta = seq.detokenizer.add(token) if seq.detokenizer else ""
         reason = self._stop_reason(seq, token, delta)
         if reason:
             self.requests.pop(seq.request_id, None)
@@ -302,7 +372,7 @@ class LLMEngine:
         return False
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
-        text = seq.detokenizer.text
+        text = seq.detokenizer.text if seq.detokenizer else ""
         p = seq.params
         if not seq.is_finished and p.stop_strings and not p.include_stop_str_in_output:
             # Hold back what may be the start of a stop string, so that a stream never shows it.
@@ -311,7 +381,7 @@ class LLMEngine:
                                       list(seq.logprobs) if seq.logprobs is not None else None,
                                       seq.cumulative_logprob if seq.logprobs is not None else None)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.metrics)
+                             seq.metrics, list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
 
     def warm_up(self) -> None:
         """Run one token through the whole step, so that the first real request does not pay for

@@ -49,6 +49,16 @@ def will_sample(seq: Sequence, num_new_tokens: int) -> bool:
     return seq.num_computed_tokens + num_new_tokens == seq.num_tokens
 
 
+def prompt_logprob_positions(seq: Sequence, num_new_tokens: int) -> range:
+    """The positions this step computes whose logits score a prompt token not yet scored (position p
+    scores token p + 1), for a request that asks for prompt_logprobs; after a preemption the recomputed
+    positions are not scored twice."""
+    if seq.prompt_logprobs is None:
+        return range(0)
+    start = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+    return range(start, min(seq.num_computed_tokens + num_new_tokens, seq.num_prompt_tokens - 1))
+
+
 class SchedulerBase:
     """Queues, admission, preemption and finishing: what every scheduler shares."""
 

@@ -37,6 +37,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # params.prompt_logprobs: per prompt token, its logprob and the top ones (None for the first token)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float = 0.0
     detokenizer: Any = None  # the engine's IncrementalDetokenizer
     generator: Any = None  # the sampler's per-request torch.Generator, when the request has a seed
@@ -50,6 +52,8 @@ class Sequence:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from minivllm.engine.scheduler import SchedulerOutput, will_sample
+from minivllm.engine.scheduler import SchedulerOutput, prompt_logprob_positions, will_sample
 from minivllm.engine.sequence import Sequence
 from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes
 from minivllm.model.kernels import attention_kernel
@@ -35,7 +35,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Logits [num_sampling, vocab] (float32), in the order of `output.scheduled`."""
+        """Logits (float32): one row per sequence that samples, in the order of `output.scheduled`, then
+        one row per position that scores a prompt token (`prompt_logprob_positions`), in the same order."""
         start = time.perf_counter()
         input_ids, positions, meta, sample_idx = self._prepare(output)
         self.prepare_time += time.perf_counter() - start
@@ -86,6 +87,8 @@ class ModelRunner:
             meta.prefills = [self._prefill_span(seq, first, seq.num_computed_tokens, seq.num_computed_tokens + n)
                              for (seq, n), (first, _, _) in zip(prefills, spans[len(decodes):])]
         sample_idx = [where[id(s)] for s, n in output.scheduled if will_sample(s, n)]
+        first_row = {id(s): first - s.num_computed_tokens for (s, _), (first, _, _) in zip(scheduled, spans)}
+        sample_idx += [first_row[id(s)] + p for s, n in output.scheduled for p in prompt_logprob_positions(s, n)]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, torch.tensor(sample_idx, dtype=torch.long, device=dev))
 

@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream=true)
     GET  /v1/models, /health, /metrics
+    GET  /, /dashboard (and /dashboard/...): the live view of the step loop (dashboard.py)
 
 Known fields are parsed strictly (an ill-typed value is a 400 that names the field) and validated
 before anything streams, so a bad request never becomes a broken stream. Fields the server does not
@@ -34,9 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minivllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequest, QueueFullError, RequestStream
+from minivllm.engine.live import LiveFeed
 from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.engine.trace import run_record
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.server.dashboard import Dashboard, add_routes
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput, required_schema
 from minivllm.startup import phases_text, process_age
@@ -387,6 +391,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extension: per prompt token (None for the first), {token id: {logprob, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -457,6 +463,7 @@ class Delta:
     text_offset: int  # where `text` starts in the choice's whole text
     finish_reason: str | None
     stop_reason: int | str | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # in the choice's first delta, when asked
 
 
 @dataclass
@@ -483,7 +490,7 @@ class ChoiceTracker:
             return None
         d = Delta(index, c.text[cur.text_len:], new_tokens,
                   c.logprobs[cur.num_tokens:] if c.logprobs is not None else None, cur.text_len,
-                  c.finish_reason, c.stop_reason)
+                  c.finish_reason, c.stop_reason, out.prompt_logprobs if cur.num_tokens == 0 else None)
         cur.text_len, cur.num_tokens = len(c.text), len(c.token_ids)
         return d
 
@@ -493,8 +500,9 @@ class ChoiceTracker:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _whole(index: int, c: CompletionOutput) -> Delta:
-    return Delta(index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason, c.stop_reason)
+def _whole(index: int, out: RequestOutput) -> Delta:
+    c = out.outputs[0]
+    return Delta(index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason, c.stop_reason, out.prompt_logprobs)
 
 
 class _Formatter(ABC):
@@ -550,8 +558,12 @@ class _CompletionFormatter(_Formatter):
             top_logprobs=[{self.token_text(k): v for k, v in self._top(e)} for e in d.logprobs], text_offset=offsets)
 
     def choice(self, d: Delta) -> CompletionChoice:
+        prompt_logprobs = None if d.prompt_logprobs is None else [
+            None if e is None else {str(t): {"logprob": v, "decoded_token": self.token_text(t)} for t, v in e.items()}
+            for e in d.prompt_logprobs]
         return CompletionChoice(index=d.index, text=self._text(d), logprobs=self._logprobs(d),
-                                finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                                finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                                prompt_logprobs=prompt_logprobs)
 
     def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
         return CompletionResponse(**base, object=self.object, choices=[self.choice(d) for d in choices], usage=usage)
@@ -689,7 +701,7 @@ class OpenAIServer:
             raise APIError(400, "suffix: fill-in-the-middle is not supported: the served model has no FIM "
                                 "template (prefix/suffix/middle tokens)", "suffix", "unsupported")
         if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo",
+            raise APIError(400, "echo with logprobs is not supported; prompt_logprobs gives the prompt's", "echo",
                            "unsupported")
         params = body.sampling_params(body.max_tokens, body.logprobs, await self._structured(body))
         prompts = _completion_prompts(body.prompt)
@@ -782,7 +794,7 @@ class OpenAIServer:
             return Response(status_code=499)
         for out in finals:
             tracker.delta(out)
-        choices = [_whole(tracker.index_of[o.request_id], o.outputs[0]) for o in finals]
+        choices = [_whole(tracker.index_of[o.request_id], o) for o in finals]
         return JSONResponse(fmt.response(base, sorted(choices, key=lambda d: d.index), tracker.usage()).model_dump(),
                             headers=headers)
 
@@ -885,6 +897,8 @@ async def _collect(stream: RequestStream, request: Request) -> list[RequestOutpu
 # -- the app -----------------------------------------------------------------------------------------------------
 def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     server = OpenAIServer(engine, options)
+    feed = LiveFeed(engine.start_time, run_record(engine.config))
+    engine.observers.append(feed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -899,6 +913,7 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     app.get("/v1/models", dependencies=v1)(server.models)
     app.post("/v1/completions", dependencies=v1)(server.completions)
     app.post("/v1/chat/completions", dependencies=v1)(server.chat_completions)
+    add_routes(app, Dashboard(options.api_key, feed, title=options.served_model_name))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -942,6 +957,10 @@ class _Server(uvicorn.Server):
         else:
             total = sum(phases.values())
         print(f"minivllm: ready in {total:.2f} s ({phases_text(phases)})", flush=True)
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.config.app.state.dashboard.close()  # its event streams never end by themselves
+        await super().shutdown(sockets)
 
 
 def serve(engine: LLMEngine, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000) -> None:

@@ -1,0 +1,199 @@
+"""Step-time cost models for the simulator: what one engine step costs, from the step's shape.
+
+- `LinearCost`: fitted by `minivllm bench calibrate` to this machine and model (a profile JSON).
+- `RooflineCost`: a GPU's datasheet (FLOP/s, memory bandwidth) and a model's config.json; it models
+  hardware that is not here, and everything it produces is labelled "modeled".
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.model.loader import ModelConfig, load_checkpoint
+
+SPECS = Path(__file__).parent / "specs"
+
+
+@dataclass
+class StepShape:
+    """What a step computes. Read before the step runs (computed counts move on after it)."""
+
+    prefill_tokens: int = 0  # prompt tokens (chunks), padding excluded
+    decode_seqs: int = 0  # sequences computing one new token
+    padding_tokens: int = 0  # static batching's padding and its finished members' slots
+    decode_context: int = 0  # K/V tokens the decodes' attention reads
+    prefill_attention: int = 0  # sum over prefill chunks of chunk tokens x context length
+    num_seqs: int = 0  # sequences in the step (each samples or is a chunk)
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput) -> StepShape:
+        shape = cls(padding_tokens=sched.num_padding_tokens, num_seqs=len(sched.scheduled))
+        for (seq, n), decode in zip(sched.scheduled, sched.decode_flags):
+            end = seq.num_computed_tokens + n
+            if decode:
+                shape.decode_seqs += 1
+                shape.decode_context += end
+            else:
+                shape.prefill_tokens += n
+                shape.prefill_attention += n * end
+        return shape
+
+
+# The linear model's terms: a constant per step, then StepShape's fields.
+TERMS = ("step", "prefill_tokens", "decode_seqs", "padding_tokens", "decode_context", "prefill_attention")
+
+
+def features(shape: StepShape) -> list[float]:
+    return [1.0, shape.prefill_tokens, shape.decode_seqs, shape.padding_tokens, shape.decode_context,
+            shape.prefill_attention]
+
+
+@dataclass
+class LinearCost:
+    """seconds = sum of coefficient x term, fitted to measured steps."""
+
+    coefficients: dict[str, float]
+    label: str  # what was measured: device, model, dtype
+    modeled: bool = False
+
+    def step_time(self, shape: StepShape) -> float:
+        return float(np.dot([self.coefficients[t] for t in TERMS], features(shape)))
+
+    def to_dict(self) -> dict:
+        return {"kind": "calibrated", "label": self.label, "coefficients": self.coefficients}
+
+
+def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[dict[str, float], float]:
+    """Least squares on relative error (a decode step counts as much as a long prefill), with no
+    negative coefficient: a term that comes out negative is dropped and the rest refitted.
+    Returns (coefficients, median relative error on the fitted steps)."""
+    x = np.array([features(s) for s in shapes], dtype=float)
+    y = np.array(seconds, dtype=float)
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    xs, w = x / scale, 1.0 / y
+    active = [i for i in range(len(TERMS)) if x[:, i].any()]
+    while True:
+        coef, *_ = np.linalg.lstsq(xs[:, active] * w[:, None], y * w, rcond=None)
+        if (coef >= 0).all():
+            break
+        del active[int(np.argmin(coef))]
+    full = np.zeros(len(TERMS))
+    full[active] = coef / scale[active]
+    error = float(np.median(np.abs(x @ full - y) / y))
+    return {t: float(c) for t, c in zip(TERMS, full)}, error
+
+
+@dataclass
+class GpuSpec:
+    name: str
+    peak_flops: float  # dense, in the dtype the model runs (bf16)
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: float
+    flops_efficiency: float  # share of the peak a large GEMM reaches
+    bandwidth_efficiency: float
+    step_overhead_s: float  # launch, scheduling and sampling time per step
+    source: str = ""
+
+    @classmethod
+    def load(cls, name_or_path: str) -> GpuSpec:
+        data = json.loads(_spec_path(name_or_path, "gpus", ".json").read_text())
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def _spec_path(name_or_path: str, kind: str, suffix: str) -> Path:
+    """A shipped spec by name (`h100`, `llama-3-8b`) or a path."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = SPECS / kind / (name_or_path + suffix)
+    if not shipped.exists():
+        names = sorted(p.name.removesuffix(suffix) for p in (SPECS / kind).iterdir())
+        raise ValueError(f"no {kind[:-1]} spec {name_or_path!r}: pass a path or one of {', '.join(names)}")
+    return shipped
+
+
+def model_config_of(name_or_path: str) -> ModelConfig:
+    """A Llama-family config.json (a shipped one by name, a directory, or the file itself)."""
+    path = _spec_path(name_or_path, "models", "")
+    return load_checkpoint(path.parent if path.is_file() else path)[0]
+
+
+@dataclass
+class RooflineCost:
+    """A step takes the longer of its FLOPs at the achievable rate and its bytes (weights read once,
+    K/V read and written) at the achievable bandwidth, plus a fixed overhead. Tensor parallelism
+    multiplies rate, bandwidth and memory (communication is not modeled)."""
+
+    gpu: GpuSpec
+    model: ModelConfig
+    model_name: str
+    tensor_parallel_size: int = 1
+    dtype_bytes: int = 2  # bf16
+    modeled: bool = True
+
+    @property
+    def label(self) -> str:
+        tp = f" x{self.tensor_parallel_size} (TP)" if self.tensor_parallel_size > 1 else ""
+        return f"modeled: {self.model_name} on {self.gpu.name}{tp}, roofline"
+
+    @property
+    def layer_params(self) -> int:
+        m = self.model
+        q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+        per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+        return per_layer * m.num_hidden_layers
+
+    @property
+    def weight_bytes(self) -> int:
+        embeddings = self.model.vocab_size * self.model.hidden_size * (1 if self.model.tie_word_embeddings else 2)
+        return (self.layer_params + embeddings) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * self.dtype_bytes
+
+    def kv_cache_memory(self, gpu_memory_utilization: float = 0.9) -> int:
+        """Bytes left for the KV cache after the weights (vLLM's --gpu-memory-utilization)."""
+        free = self.gpu.memory_bytes * self.tensor_parallel_size * gpu_memory_utilization - self.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model_name} ({self.weight_bytes / 1e9:.0f} GB of weights) does not fit on "
+                             f"{self.tensor_parallel_size} x {self.gpu.name}: raise --tensor-parallel-size")
+        return int(free)
+
+    def step_time(self, shape: StepShape) -> float:
+        m, tp = self.model, self.tensor_parallel_size
+        tokens = shape.prefill_tokens + shape.decode_seqs + shape.padding_tokens
+        q_dim = m.num_attention_heads * m.head_dim
+        attention = 4 * m.num_hidden_layers * q_dim * (shape.decode_context + shape.prefill_attention)
+        flops = 2 * self.layer_params * tokens + 2 * m.vocab_size * m.hidden_size * shape.num_seqs + attention
+        moved = self.weight_bytes + self.kv_bytes_per_token * (shape.decode_context + tokens)
+        g = self.gpu
+        return g.step_overhead_s + max(flops / (g.peak_flops * g.flops_efficiency * tp),
+                                       moved / (g.memory_bandwidth * g.bandwidth_efficiency * tp))
+
+    def to_dict(self) -> dict:
+        return {"kind": "modeled", "label": self.label, "gpu": asdict(self.gpu), "model_name": self.model_name,
+                "model": asdict(self.model), "tensor_parallel_size": self.tensor_parallel_size}
+
+
+CostModel = LinearCost | RooflineCost
+
+
+def roofline(gpu: str, model: str, tensor_parallel_size: int = 1) -> RooflineCost:
+    return RooflineCost(GpuSpec.load(gpu), model_config_of(model), Path(model).name or model, tensor_parallel_size)
+
+
+def load_profile(path: str) -> CostModel:
+    data = json.loads(Path(path).read_text())
+    if data.get("kind") == "calibrated":
+        return LinearCost(data["coefficients"], data["label"])
+    if data.get("kind") == "modeled":
+        return RooflineCost(GpuSpec(**data["gpu"]), ModelConfig(**data["model"]), data["model_name"],
+                            data["tensor_parallel_size"])
+    raise ValueError(f"{path}: not a cost profile (its 'kind' must be 'calibrated' or 'modeled')")

@@ -1,0 +1,239 @@
+"""`minivllm bench simulate`: the real engine (LLMEngine.step, Scheduler, BlockManager, policies, the
+static scheduler) on a virtual clock, with a cost model in place of the model.
+
+Only two parts are swapped, through the engine's injection points: the runner advances the virtual
+clock by the cost model's time for the step, and the sampler emits a fixed non-EOS token, so that a
+request's output length is the workload's (`max_tokens` with `ignore_eos`). There is no tokenizer:
+prompts are token ids and no text is made. A cluster is N such engines behind a router policy
+(minivllm/router/policies.py), advanced in time order.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from minivllm.bench.compare import SystemRun, replay_engine
+from minivllm.bench.cost_model import CostModel, StepShape
+from minivllm.bench.workloads import BenchRequest
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine, ModelParts, num_kv_blocks
+from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.trace import StepTracer, run_record
+from minivllm.model.loader import ModelConfig
+from minivllm.model.sampler import SamplerOutput
+from minivllm.outputs import RequestMetrics
+from minivllm.router.policies import Router
+
+
+class VirtualClock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+class CostRunner:
+    """Stands in for ModelRunner: a step costs what the cost model says, on the virtual clock."""
+
+    def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
+        self.cost, self.clock = cost, clock
+        self.prepare_time = 0.0  # the engine's step breakdown reads it
+
+    def execute(self, sched: SchedulerOutput) -> None:
+        self.clock.sleep(self.cost.step_time(StepShape.of(sched)))
+
+
+class FixedTokenSampler:
+    """One token that is not EOS for every sequence: lengths come from the requests' max_tokens."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.token = next(t for t in range(model_config.vocab_size) if t not in model_config.eos_token_ids)
+
+    def __call__(self, _logits: None, seqs: list[Sequence]) -> SamplerOutput:
+        return SamplerOutput([self.token] * len(seqs), [None] * len(seqs))
+
+
+def simulated_engine(config: EngineConfig, model_config: ModelConfig, cost: CostModel,
+                     trace_path: str | None = None) -> tuple[LLMEngine, VirtualClock]:
+    clock = VirtualClock()
+    parts = ModelParts(model_config, None, CostRunner(cost, clock), FixedTokenSampler(model_config),
+                       num_kv_blocks(config, model_config, config.torch_dtype))
+    engine = LLMEngine(config, parts=parts, clock=clock)
+    engine.tracer = StepTracer(trace_path, engine.start_time, run_record(config))  # rows in memory; files with a path
+    return engine, clock
+
+
+def simulate_engine(config: EngineConfig, requests: list[BenchRequest], model_config: ModelConfig,
+                    cost: CostModel, trace_path: str | None = None, show_progress: bool = True) -> SystemRun:
+    """One engine: bench compare's replay loop, on the virtual clock."""
+    engine, clock = simulated_engine(config, model_config, cost, trace_path)
+    try:
+        return replay_engine(engine, requests, config.scheduler, show_progress, sleep=clock.sleep)
+    finally:
+        engine.close()
+
+
+def simulate_cluster(config: EngineConfig, requests: list[BenchRequest], model_config: ModelConfig,
+                     cost: CostModel, num_replicas: int, routing: str, trace_dir: str | None = None,
+                     show_progress: bool = True) -> SystemRun:
+    """N engines behind a router. Events run in time order: an arrival is routed (on the load the
+    router has booked) before any replica's step that starts later; else the replica whose next
+    step starts first takes it."""
+    if num_replicas == 1:
+        return simulate_engine(config, requests, model_config, cost,
+                               trace_dir and f"{trace_dir}/{config.scheduler}.csv", show_progress)
+    engines = [simulated_engine(config, model_config, cost, trace_dir and f"{trace_dir}/{config.scheduler}-{i}.csv")
+               for i in range(num_replicas)]
+    args = {"block_size": config.block_size} if routing == "prefix-aware" else {}
+    router = Router.create(routing, [f"replica-{i}" for i in range(num_replicas)], **args)
+    pending = sorted(requests, key=lambda r: r.arrival)
+    busy: list[tuple[float, int]] = []  # (when its next step starts, replica) of replicas with work
+    done: dict[str, RequestMetrics] = {}
+    bar = tqdm(total=len(requests), desc=f"{config.scheduler} x{num_replicas}", disable=not show_progress,
+               dynamic_ncols=True)
+    i = 0
+    while i < len(pending) or busy:
+        if busy and (i == len(pending) or busy[0][0] < pending[i].arrival):
+            _, r = heapq.heappop(busy)
+            engine, clock = engines[r]
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.metrics
+                    router.finished(out.request_id)
+                    bar.update(1)
+            if engine.has_unfinished_requests():
+                heapq.heappush(busy, (clock.now, r))
+            continue
+        req = pending[i]
+        i += 1
+        r = router.route(req.request_id, req.prompt_token_ids, req.output_len)
+        engine, clock = engines[r]
+        if not engine.has_unfinished_requests():  # idle until now
+            clock.now = max(clock.now, req.arrival)
+            heapq.heappush(busy, (clock.now, r))
+        engine.add_request(req.request_id, req.prompt_token_ids, req.sampling_params(), arrival_time=req.arrival,
+                           priority=req.priority, tenant=req.tenant)
+    bar.close()
+    rows = []
+    for engine, _ in engines:
+        rows += engine.tracer.rows
+        engine.close()
+    rows.sort(key=lambda row: row.t_start)
+    return SystemRun(config.scheduler, requests, [done[r.request_id] for r in requests], rows, 0.0)
+
+
+@dataclass
+class SloSearch:
+    target_ms: float
+    tried: dict[int, float]  # replicas -> P99 TTFT (ms)
+    replicas: int | None  # the fewest that meet the target; None: not within the maximum
+
+
+def replicas_for_ttft(run_with, target_ms: float, max_replicas: int) -> SloSearch:
+    """The fewest replicas whose P99 TTFT is within `target_ms`: doubling, then bisection (more
+    replicas never hurt TTFT much under these routers, so the search assumes it is monotone)."""
+    from minivllm.bench.compare import summarize
+
+    tried: dict[int, float] = {}
+
+    def meets(n: int) -> bool:
+        if n not in tried:
+            tried[n] = summarize(run_with(n)).serving.ttft_ms.p(99)
+        return tried[n] <= target_ms
+
+    low, high = 0, 1  # low fails (0 replicas serve nothing), high is the candidate
+    while not meets(high):
+        if high >= max_replicas:
+            return SloSearch(target_ms, tried, None)
+        low, high = high, min(2 * high, max_replicas)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if meets(mid) else (mid, high)
+    return SloSearch(target_ms, dict(sorted(tried.items())), high)
+
+
+def slo_text(search: SloSearch, label: str) -> str:
+    lines = [f"Replicas for P99 TTFT <= {search.target_ms:g} ms ({label}):",
+             *(f"  {n:>4} replicas: P99 TTFT {p99:,.0f} ms {'ok' if p99 <= search.target_ms else ''}"
+               for n, p99 in search.tried.items())]
+    lines.append(f"-> {search.replicas} replicas" if search.replicas else
+                 f"-> not met with up to {max(search.tried)} replicas")
+    return "\n".join(lines)
+
+
+# -- validation: predicted against measured on this machine -------------------------------------------
+@dataclass
+class Validation:
+    workload: str
+    setting: str
+    measured: dict[str, float]
+    predicted: dict[str, float]
+
+    @property
+    def errors(self) -> dict[str, float]:
+        return {k: (self.predicted[k] - v) / v if v else 0.0 for k, v in self.measured.items()}
+
+
+VALIDATED = {"throughput (tok/s)": lambda s: s.serving.total_token_throughput,
+             "TTFT P50 (ms)": lambda s: s.serving.ttft_ms.p(50), "TTFT P99 (ms)": lambda s: s.serving.ttft_ms.p(99),
+             "TPOT P50 (ms)": lambda s: s.serving.tpot_ms.p(50)}
+
+
+def validate(cases: list[tuple[str, str, EngineConfig, list[BenchRequest]]], model_config: ModelConfig,
+             cost: CostModel, out_dir: str, show_progress: bool) -> list[Validation]:
+    """Each (workload, setting, config, requests) runs on the real engine, then in the simulator."""
+    from minivllm.bench.compare import run_engine, summarize
+
+    results = []
+    for i, (workload, setting, config, requests) in enumerate(cases):
+        real = summarize(run_engine(config, requests, f"{out_dir}/measured-{i}.csv", show_progress))
+        sim = summarize(simulate_engine(config, requests, model_config, cost, f"{out_dir}/predicted-{i}.csv",
+                                        show_progress))
+        results.append(Validation(workload, setting, {k: f(real) for k, f in VALIDATED.items()},
+                                  {k: f(sim) for k, f in VALIDATED.items()}))
+    return results
+
+
+def validation_table(results: list[Validation]) -> str:
+    head = " | ".join(f"{k} measured / predicted (error)" for k in VALIDATED)
+    lines = [f"| workload | setting | {head} |", "|---|---|" + "---:|" * len(VALIDATED)]
+    for v in results:
+        cells = " | ".join(f"{v.measured[k]:,.1f} / {v.predicted[k]:,.1f} ({v.errors[k]:+.0%})" for k in VALIDATED)
+        lines.append(f"| {v.workload} | {v.setting} | {cells} |")
+    worst = max((abs(e) for v in results for e in v.errors.values()), default=0.0)
+    lines.append(f"\nLargest error: {worst:.0%} (target: within 10 %)")
+    return "\n".join(lines)
+
+
+def validation_cases(base: EngineConfig, compare_requests: list[BenchRequest], corpus, seed: int,
+                     which: list[str]) -> list[tuple[str, str, EngineConfig, list[BenchRequest]]]:
+    """bench compare's workload (static and continuous), the fixed workload (all at once), and
+    bench scheduling's two scenarios with their settings."""
+    from minivllm.bench.scheduling import (chunked_prefill_settings, chunked_prefill_workload, fair_settings,
+                                           fair_workload)
+    from minivllm.bench.workloads import FIXED, random_requests
+
+    cases = []
+    if "compare" in which:
+        cases += [("compare", s, replace(base, scheduler=s), compare_requests) for s in ("static", "continuous")]
+    if "fixed" in which:
+        fixed = random_requests(corpus, FIXED["num_prompts"], FIXED["input_len_range"], FIXED["output_len_range"],
+                                np.random.default_rng(FIXED["seed"]))
+        cases.append(("fixed", "continuous, all at once", base, fixed))
+    if "chunked-prefill" in which:
+        requests = chunked_prefill_workload(corpus, np.random.default_rng(seed))
+        cases += [("chunked-prefill", name, c, requests) for name, c in chunked_prefill_settings(base, 256).items()]
+    if "fair" in which:
+        cases += [("fair", name, c, fair_workload(corpus, np.random.default_rng(seed), heavy))
+                  for name, c, heavy in fair_settings(base)]
+    return cases
+

@@ -1,0 +1,203 @@
+"""`minivllm bench simulate` and `minivllm bench calibrate`: flags and the commands that tie the parts."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+from minivllm.bench.cli import _describe_compare, _output_args, add_trace_args, write_json
+from minivllm.config import EngineConfig
+
+WORKLOADS = ("compare", "fixed", "chunked-prefill", "fair")
+VALIDATIONS = ("compare", "fixed", "chunked-prefill", "fair")
+
+
+def _mix(text: str) -> dict[str, float]:
+    """'light:1,heavy:10' -> {'light': 1/11, 'heavy': 10/11}."""
+    try:
+        pairs = [item.rsplit(":", 1) for item in text.split(",")]
+        weights = {name: float(w) for name, w in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME:WEIGHT,... got {text!r}") from None
+    if not weights or min(weights.values()) < 0 or sum(weights.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"weights must be >= 0 with a positive sum, got {text!r}")
+    total = sum(weights.values())
+    return {name: w / total for name, w in weights.items()}
+
+
+def _choices(names: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        chosen = list(names) if text == "all" else text.split(",")
+        if not set(chosen) <= set(names):
+            raise argparse.ArgumentTypeError(f"expected 'all' or a comma-separated list of {', '.join(names)}")
+        return chosen
+    return parse
+
+
+def _cost_model(args: argparse.Namespace):
+    from minivllm.bench.cost_model import load_profile, roofline
+
+    if args.profile:
+        return load_profile(args.profile)
+    if args.gpu:
+        return roofline(args.gpu, args.model_config, args.tensor_parallel_size)
+    raise SystemExit("bench simulate needs a cost model: --profile PROFILE.json (from `minivllm bench calibrate`) "
+                     "or --gpu h100|h200|SPEC.json with --model-config llama-3-8b|DIR (modeled)")
+
+
+def _requests(args: argparse.Namespace, corpus) -> list:
+    """The workload of --workload, with arrivals, tenants and priorities."""
+    from minivllm.bench.scheduling import chunked_prefill_workload, fair_workload
+    from minivllm.bench.workloads import FIXED, mixed_requests, random_requests, with_arrivals
+
+    rng = np.random.default_rng(args.seed)
+    if args.workload == "chunked-prefill":
+        return chunked_prefill_workload(corpus, rng)
+    if args.workload == "fair":
+        return fair_workload(corpus, rng, with_heavy=True)
+    if args.workload == "fixed":
+        requests = random_requests(corpus, args.num_prompts, FIXED["input_len_range"], FIXED["output_len_range"], rng)
+    else:
+        requests = mixed_requests(corpus, args.num_prompts, args.long_fraction, args.short_input_len,
+                                  args.short_output_len, args.long_input_len, args.long_output_len, rng)
+    with_arrivals(requests, args.request_rate, args.burstiness, rng)
+    # A generator of its own, so that the mixes leave the lengths and arrivals of the seed unchanged.
+    mix_rng = np.random.default_rng([args.seed, 1])
+    for field, mix, kind in (("tenant", args.tenant_mix, str), ("priority", args.priority_mix, int)):
+        if mix:
+            names = list(mix)
+            for req, k in zip(requests, mix_rng.choice(len(names), size=len(requests), p=list(mix.values()))):
+                setattr(req, field, kind(names[k]))
+    return requests
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from minivllm.bench.compare import summarize
+    from minivllm.bench.report import compare_table, verdict, write_plots
+    from minivllm.bench.simulate import replicas_for_ttft, simulate_cluster, slo_text
+    from minivllm.bench.workloads import TextCorpus, TokenWindows, load_tokenizer, requests_as_dicts
+
+    cost = _cost_model(args)
+    modeled = cost.modeled
+    print(f"Cost model: {cost.label}", file=sys.stderr)
+    overrides = {"seed": args.seed, "kv_cache_memory": args.kv_cache_memory or "1GiB"}
+    if modeled:  # the GPU's dtype, and a KV pool of what the GPU has left after the weights
+        overrides.update(dtype="bfloat16", model=None,
+                         kv_cache_memory=args.kv_cache_memory or str(cost.kv_cache_memory()))
+    config = EngineConfig.from_cli_args(args, **overrides)
+    tokenizer, model_config = load_tokenizer(config.model)
+    model_config = cost.model if modeled else model_config
+    show = not args.disable_tqdm
+    if args.validate:
+        return _validate(args, config, model_config, cost, TextCorpus(tokenizer), show)
+
+    requests = _requests(args, TokenWindows(tokenizer))
+    out_dir = Path(args.output_dir) if args.output_dir else None
+    trace_dir = str(out_dir) if out_dir and args.trace else None
+    result = {"modeled": modeled, "cost_model": cost.to_dict(), "num_replicas": args.num_replicas,
+              "routing_policy": args.routing_policy}
+    if args.slo_ttft_p99 is not None:
+        cont = replace(config, scheduler="continuous")
+        search = replicas_for_ttft(
+            lambda n: simulate_cluster(cont, requests, model_config, cost, n, args.routing_policy, None, show),
+            args.slo_ttft_p99, args.max_replicas)
+        print(slo_text(search, cost.label))
+        result["slo_search"] = asdict(search)
+        write_json(args.output_json, result)
+        return
+    schedulers = ("static", "continuous") if args.systems == "both" else (args.systems,)
+    start = time.perf_counter()
+    runs = [simulate_cluster(replace(config, scheduler=s), requests, model_config, cost, args.num_replicas,
+                             args.routing_policy, trace_dir, show) for s in schedulers]
+    wall = time.perf_counter() - start
+    summaries = [summarize(run) for run in runs]
+    workload, setup = _describe_compare(args, config, requests)
+    setup = f"{cost.label}; {args.num_replicas} replica(s), routing {args.routing_policy}; {setup}"
+    print(f"{'MODELED ' if modeled else ''}simulation of {len(requests)} requests in {wall:.1f} s wall time "
+          f"({cost.label})")
+    if len(summaries) == 2:
+        print(verdict(summaries))
+    print(compare_table(summaries))
+    result.update(workload={"description": workload, "requests": requests_as_dicts(requests)}, setup=setup,
+                  engine=asdict(config), summaries=[asdict(s) for s in summaries], wall_time_s=wall)
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_plots(runs, out_dir, args.static_batch_size)
+        write_json(str(out_dir / "results.json"), result)
+    write_json(args.output_json, result)
+
+
+def _validate(args: argparse.Namespace, config: EngineConfig, model_config, cost, corpus, show: bool) -> None:
+    from minivllm.bench.simulate import validate, validation_cases, validation_table
+    from minivllm.bench.workloads import mixed_requests, with_arrivals
+
+    if cost.modeled:
+        raise SystemExit("--validate compares with real runs on this machine: it needs a calibrated --profile")
+    rng = np.random.default_rng(args.seed)
+    compare_requests = with_arrivals(mixed_requests(corpus, args.num_prompts, args.long_fraction,
+                                                    args.short_input_len, args.short_output_len, args.long_input_len,
+                                                    args.long_output_len, rng), args.request_rate, args.burstiness, rng)
+    cases = validation_cases(config, compare_requests, corpus, args.seed, args.validate)
+    results = validate(cases, model_config, cost, args.output_dir or "runs/simulate-validate", show)
+    print(validation_table(results))
+    write_json(args.output_json, {"cost_model": cost.to_dict(), "engine": asdict(config),
+                                  "validation": [asdict(v) | {"errors": v.errors} for v in results]})
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from minivllm.bench.calibrate import calibrate
+
+    config = EngineConfig.from_cli_args(args)
+    cost, error, steps = calibrate(config, args.grid, args.repeats, not args.disable_tqdm)
+    print(f"{cost.label}: {steps} steps, median relative error of the fit {error:.1%}")
+    print("seconds per step = " + " + ".join(f"{c:.3g} x {t}" for t, c in cost.coefficients.items()))
+    write_json(args.output_json, cost.to_dict() | {"fit_median_relative_error": error, "num_steps": steps})
+
+
+def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
+    from minivllm.router.policies import ROUTING_POLICIES
+
+    p = bench_sub.add_parser("simulate", help="the real scheduler on a cost model and a virtual clock: "
+                                              "a workload in seconds, replicas for an SLO")
+    add_trace_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="compare",
+                   help="compare: bench compare's short/long trace (the flags above); fixed: the reference "
+                        "lengths (16..512 in, 8..256 out) at the arrival flags; chunked-prefill, fair: bench "
+                        "scheduling's scenarios (fair: light beside 10x heavy)")
+    g.add_argument("--tenant-mix", type=_mix, default=None, metavar="NAME:WEIGHT,...",
+                   help="tenants of the requests (for --scheduling-policy fair), e.g. light:1,heavy:10")
+    g.add_argument("--priority-mix", type=_mix, default=None, metavar="PRIORITY:WEIGHT,...",
+                   help="priorities of the requests (for --scheduling-policy priority), e.g. 0:1,1:4")
+    g = p.add_argument_group("cost model")
+    g.add_argument("--profile", default=None, help="a profile JSON from `minivllm bench calibrate`")
+    g.add_argument("--gpu", default=None, help="modeled: h100, h200 or a GPU spec JSON (roofline)")
+    g.add_argument("--model-config", default="llama-3-8b",
+                   help="modeled: llama-3-8b, llama-3-70b, or a Llama-family config.json / checkpoint directory")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="modeled: GPUs per replica")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--num-replicas", type=int, default=1)
+    g.add_argument("--routing-policy", choices=tuple(ROUTING_POLICIES), default="least-outstanding-tokens")
+    g.add_argument("--slo-ttft-p99", type=float, default=None, metavar="MS",
+                   help="find the fewest replicas whose P99 TTFT is within MS (continuous batching)")
+    g.add_argument("--max-replicas", type=int, default=64, help="the most replicas --slo-ttft-p99 tries")
+    p.add_argument("--scheduler", dest="systems", choices=("both", "continuous", "static"), default="both")
+    p.add_argument("--validate", type=_choices(VALIDATIONS), default=None, metavar="all|" + ",".join(VALIDATIONS),
+                   help="run these workloads on the real engine too and print predicted vs measured")
+    p.add_argument("--output-dir", default=None, help="plots and results.json (and step traces with --trace)")
+    p.add_argument("--trace", action="store_true", help="write each engine's step trace to --output-dir")
+    _output_args(p)
+    EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file"))
+    p.set_defaults(func=cmd_simulate, with_hf=False, kv_cache_memory=None)
+
+    p = bench_sub.add_parser("calibrate", help="time engine steps on this machine and model; write the "
+                                               "simulator's cost profile")
+    p.add_argument("--grid", choices=("default", "tiny"), default="default", help="the step shapes measured")
+    p.add_argument("--repeats", type=int, default=2, help="times each probe runs")
+    _output_args(p)
+    EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file", "static_batch_size"))
+    p.set_defaults(func=cmd_calibrate)

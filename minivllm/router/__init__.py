@@ -1,0 +1,1 @@
+"""Spreading requests over replicas of the engine (the simulator's cluster and the HTTP router)."""

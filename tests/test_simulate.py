@@ -1,0 +1,131 @@
+"""The simulator: the real engine step on a cost model, routing policies, calibration."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import fields
+
+import numpy as np
+
+from minivllm.bench.compare import SystemSummary, replay_engine
+from minivllm.bench.cost_model import TERMS, StepShape, load_profile
+from minivllm.bench.metrics import ServingMetrics
+from minivllm.bench.simulate import VirtualClock, simulate_engine
+from minivllm.bench.workloads import TokenWindows, mixed_requests, with_arrivals
+from minivllm.cli import main
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine, load_parts
+from minivllm.engine.trace import StepTracer
+from minivllm.router.policies import Router
+
+
+class WallTimedRunner:
+    """The real runner, whose wall time (and only that) moves the engine's clock: the real run's
+    step times, with no race between an arrival and the loop's check of it."""
+
+    def __init__(self, runner, clock: VirtualClock) -> None:
+        self.runner, self.clock, self.prepare_time = runner, clock, 0.0
+
+    def execute(self, sched):
+        start = time.perf_counter()
+        logits = self.runner.execute(sched)
+        self.clock.sleep(time.perf_counter() - start)
+        return logits
+
+
+class ReplayCost:
+    """A cost model that replays recorded step durations in order."""
+
+    label, modeled = "replay", False
+
+    def __init__(self, seconds: list[float]) -> None:
+        self.seconds = iter(seconds)
+
+    def step_time(self, shape: StepShape) -> float:
+        return next(self.seconds)
+
+
+def _step_sequence(rows) -> list[tuple]:
+    return [(r.num_prefill_tokens, r.num_decode_tokens, r.num_padding_tokens, r.num_running, r.num_waiting,
+             r.num_preempted, r.num_finished) for r in rows]
+
+
+def test_simulated_steps_equal_the_real_engines_on_replayed_step_times():
+    config = EngineConfig(dtype="float32", num_kv_blocks=40, max_num_batched_tokens=64, max_num_seqs=6)
+    clock = VirtualClock()
+    parts = load_parts(config)
+    parts.runner = WallTimedRunner(parts.runner, clock)
+    real = LLMEngine(config, parts=parts, clock=clock)
+    real.tracer = StepTracer(None, real.start_time)
+    rng = np.random.default_rng(3)
+    requests = with_arrivals(mixed_requests(TokenWindows(real.tokenizer), 10, 0.3, (8, 40), (3, 10), (90, 160),
+                                            (8, 16), rng), 20.0, 1.0, rng)
+    measured = replay_engine(real, requests, "continuous", False, sleep=clock.sleep)
+    durations = [r.t_end - r.t_start for r in measured.rows]
+
+    predicted = simulate_engine(config, requests, real.model_config, ReplayCost(durations), show_progress=False)
+    assert _step_sequence(predicted.rows) == _step_sequence(measured.rows)
+    assert sum(r.num_prefill_tokens for r in measured.rows) > 0 and any(r.num_waiting for r in measured.rows)
+    assert [m.token_times for m in predicted.metrics] == [m.token_times for m in measured.metrics]
+    assert [len(m.token_times) for m in predicted.metrics] == [r.output_len for r in requests]
+
+
+def _run_json(tmp_path, name: str, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    main(["bench", *args, "--output-json", str(out), "--disable-tqdm"])
+    return json.loads(out.read_text())
+
+
+def test_simulate_writes_bench_compares_layout_and_sizes_replicas(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
+        step=0.004, prefill_tokens=2e-4, decode_seqs=1e-3, padding_tokens=2e-4, decode_context=1e-6,
+        prefill_attention=0.0)}))
+    res = _run_json(tmp_path, "sim", "simulate", "--profile", str(profile), "--num-prompts", "12",
+                    "--request-rate", "4", "--output-dir", str(tmp_path / "out"))
+    assert {"workload", "setup", "engine", "summaries"} <= set(res) and res["modeled"] is False
+    assert [s["name"] for s in res["summaries"]] == ["static", "continuous"]
+    for summary in res["summaries"]:
+        assert set(summary) == {f.name for f in fields(SystemSummary)}
+        assert set(summary["serving"]) == {f.name for f in fields(ServingMetrics)}
+        assert summary["serving"]["completed"] == 12
+    assert (tmp_path / "out" / "ttft_cdf.png").exists()
+
+    res = _run_json(tmp_path, "slo", "simulate", "--gpu", "h100", "--model-config", "llama-3-8b",
+                    "--scheduler", "continuous", "--num-prompts", "200", "--request-rate", "400",
+                    "--slo-ttft-p99", "300", "--max-replicas", "8")
+    search = res["slo_search"]
+    assert res["modeled"] is True and res["cost_model"]["label"].startswith("modeled")
+    n = search["replicas"]
+    assert n is not None and search["tried"][str(n)] <= 300
+    assert n == 1 or search["tried"][str(n - 1)] > 300
+
+
+def test_routing_policies():
+    prefix = list(range(100, 164))  # four full blocks of 16 tokens
+    router = Router.create("prefix-aware", ["a", "b", "c"])
+    first = router.route("0", prefix + [1, 2, 3], 10)
+    assert [router.route(str(i), prefix + [i] * 20, 10) for i in range(1, 4)] == [first] * 3
+    other = router.route("x", list(range(500, 564)), 10)  # another prefix: the least loaded replica
+    assert other != first
+    # The load bound: once the owner carries far more than the least loaded, the prefix goes elsewhere.
+    big = [router.route(f"big{i}", prefix + [7] * 2000, 1000) for i in range(6)]
+    assert big[0] == first and set(big) == {0, 1, 2}
+    loads = [r.outstanding_tokens for r in router.replicas]
+    assert loads[first] <= 1.5 * min(loads) + 4096 + 3064
+
+    rr = Router.create("round-robin", ["a", "b"])
+    assert [rr.route(str(i), [1], 1) for i in range(4)] == [0, 1, 0, 1]
+    lot = Router.create("least-outstanding-tokens", ["a", "b"])
+    assert lot.route("long", [1] * 100, 100) == 0 and lot.route("short", [1], 1) == 1
+    assert lot.route("next", [1], 1) == 1
+    lot.finished("long")
+    assert lot.replicas[0].outstanding_tokens == 0 and lot.route("after", [1], 1) == 0
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path):
+    res = _run_json(tmp_path, "profile", "calibrate", "--grid", "tiny", "--repeats", "1", "--dtype", "float32")
+    cost = load_profile(str(tmp_path / "profile.json"))
+    assert set(cost.coefficients) == set(TERMS) and res["num_steps"] > 10
+    assert min(cost.coefficients.values()) >= 0
+    assert cost.step_time(StepShape(prefill_tokens=64, num_seqs=1)) > 0
