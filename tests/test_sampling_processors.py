@@ -37,7 +37,7 @@ def test_repetition_penalty_equals_hf_generate(llm, hf_model) -> None:
 def test_presence_and_frequency_penalties_against_hand_reference(llm, hf_model) -> None:
     """OpenAI's definition: logit - frequency * count - presence * (count > 0), counts over the output
     so far. The reference applies it to the model's logits along our output (teacher forcing)."""
-    presence, frequency = 0.6, 0.4
+    presence, frequency = 1.5, 1.0
     prompt = PROMPTS[1]
     tokens = _tokens(llm, [prompt], greedy(presence_penalty=presence, frequency_penalty=frequency))[0]
     prompt_ids = llm.engine.tokenizer.encode(prompt)

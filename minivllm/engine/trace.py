@@ -137,13 +137,6 @@ class StepTracer(StepObserver):
         self.json_path = self.csv_path.with_suffix(".json")
         self.records_path = self.csv_path.with_suffix(".jsonl")
         self.csv_path.parent.mkdir(parents=True, exist_ok=True)
-        self.t0 = t0
-        self.rows: list[StepRow] = []
-        self.csv_path = Path(path) if path else None
-        if self.csv_path is None:
-            return
-        self.json_path = self.csv_path.with_suffix(".json")
-        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.csv_path, "w", newline="")
         self._writer = csv.writer(self._file)
         self._writer.writerow(COLUMNS)
@@ -157,7 +150,8 @@ class StepTracer(StepObserver):
         self._preempted_at: dict[str, float] = {}
 
     def on_request(self, seq: Sequence, now: float) -> None:
-        self._write(request_record(self._states.on_request(seq, now)))
+        if self.csv_path is not None:
+            self._write(request_record(self._states.on_request(seq, now)))
 
     def record(self, row: StepRow, sched: SchedulerOutput, finished: list[Sequence]) -> None:
         self.rows.append(row)

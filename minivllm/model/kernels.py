@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from minivllm.config import cache_dir
+
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
 COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
@@ -51,7 +53,7 @@ def _library() -> ctypes.CDLL | None:
     # -march=native: the library is only valid for this CPU model, so its name says which.
     code = b"".join(f.read_bytes() for f in sorted([*SOURCES, *CSRC.glob("*.h")]))
     key = code + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu()]).encode()
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minivllm"
+    cache = cache_dir()
     lib_path = cache / f"kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
     try:
         if not lib_path.exists():
