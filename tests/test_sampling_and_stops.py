@@ -90,7 +90,9 @@ def test_min_tokens_holds_back_stop_tokens(llm: LLM) -> None:
 def test_max_model_len_ends_a_request_with_length(small_kv_llm: LLM) -> None:
     engine = small_kv_llm.engine
     prompt = (engine.tokenizer.encode(LONG_PROMPT) * 2)[:engine.max_model_len - 10]
-    for max_tokens in (100, None):
+    with pytest.raises(ValueError, match="at most 10 new tokens fit"):  # a limit that cannot be reached
+        small_kv_llm.generate(prompt, SamplingParams(max_tokens=100), use_tqdm=False)
+    for max_tokens in (10, None):
         out = small_kv_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                                     use_tqdm=False)[0]
         assert out.outputs[0].finish_reason == "length"

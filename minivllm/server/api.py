@@ -967,6 +967,9 @@ def serve(engine: LLMEngine, options: ServerOptions, host: str = "127.0.0.1", po
     """Serve until SIGTERM or Ctrl-C, then stop accepting, let in-flight requests finish (aborting
     those still running after GRACEFUL_SHUTDOWN_S), and return."""
     app = build_app(engine, options)
+    print("minivllm: batch-invariant kernels: " + (
+        "yes (the same request gets the same logits whatever shares its steps)" if engine.runner.batch_invariant
+        else "no (torch kernels: a near-tie may break differently as the batch changes)"), flush=True)
     server = _Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
                      options.served_model_name, engine.startup_time)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; by then all is
