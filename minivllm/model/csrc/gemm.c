@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void tile_bf16(
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         const uint32_t *w = panel + p * PANEL;
-        if (rows <= 4) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        if (rows <= 8) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 16);
         for (int m = 0; m < rows; m++) {
             uint32_t pair;
@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void tile_f32(
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const float *w = panel + k * PANEL;
-        if (rows <= 4) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        if (rows <= 8) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
         const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
         for (int m = 0; m < rows; m++) {
             const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
@@ -108,8 +108,10 @@ static inline __attribute__((always_inline)) void tile_f32(
 
 /* The loop over (panel, row block) tasks, shared by both dtypes. TILE_CALL(m0, rows, n0) computes one tile. */
 #define GEMM_LOOP(M, N, TILE_CALL)                                                                    \
+    /* Split even a one-row call across threads unless the weights are tiny (under 128 KiB): a decode  \
+     * step is bound by the weight stream, which needs every core. */                                  \
     const int64_t panels = (N + PANEL - 1) / PANEL, row_blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;    \
-    _Pragma("omp parallel for collapse(2) schedule(static) if(panels * M * K > 32768)")                      \
+    _Pragma("omp parallel for collapse(2) schedule(static) if(panels * K >= 2048)")                      \
     for (int64_t rb = 0; rb < row_blocks; rb++)                                                       \
         for (int64_t pn = 0; pn < panels; pn++) {                                                     \
             const int64_t n0 = pn * PANEL, m_end = min64(M, (rb + 1) * ROW_BLOCK);                     \
