@@ -50,6 +50,26 @@ def linears(config: ModelConfig, rows: list[int]) -> list[KernelTiming]:
     return out
 
 
+def _time_attention(config: ModelConfig, caches: list, meta: AttentionMetadata,
+                    block_size: int) -> tuple[float, float | None]:
+    """Seconds of one step's attention in every layer (KV write included) on the torch path (`meta` as
+    the torch path wants it) and with the native kernel (None where there is none)."""
+    kv_heads, head_dim, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
+    tokens = meta.num_real_tokens
+    q = torch.randn(tokens, heads, head_dim, dtype=BF16)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=BF16) for _ in range(2))
+
+    def step(m: AttentionMetadata) -> None:
+        for k_cache, v_cache in caches:
+            paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
+
+    kernel = attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
+    with torch.inference_mode():
+        plain = best_time(lambda: step(meta), CPU)
+        fast = kernel and best_time(lambda: step(replace(meta, kernel=kernel, decode_mask=None, prefills=[])), CPU)
+    return plain, fast
+
+
 def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_size: int = 16) -> KernelTiming:
     """One decode step's attention in every layer (KV write included) over caches read from DRAM."""
     kv_heads, head_dim, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
@@ -63,18 +83,8 @@ def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_siz
     meta = AttentionMetadata(slot_blocks=slots, slot_offsets=torch.full((num_seqs,), context % block_size),
                              span_starts=torch.arange(num_seqs), span_lens=torch.ones(num_seqs, dtype=torch.long),
                              span_ctx0=lens, block_tables=tables, num_decodes=num_seqs)
-    q = torch.randn(num_seqs, heads, head_dim, dtype=BF16)
-    k, v = (torch.randn(num_seqs, kv_heads, head_dim, dtype=BF16) for _ in range(2))
-
-    def step(m: AttentionMetadata) -> None:
-        for k_cache, v_cache in caches:
-            paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
-
-    kernel = attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
-    with torch.inference_mode():
-        torch_meta = replace(meta, decode_mask=decode_mask(lens, per_seq * block_size))
-        plain = best_time(lambda: step(torch_meta), CPU)
-        fast = kernel and best_time(lambda: step(replace(meta, kernel=kernel)), CPU)
+    plain, fast = _time_attention(config, caches, replace(meta, decode_mask=decode_mask(lens, per_seq * block_size)),
+                                  block_size)
     kv_bytes = 2 * config.num_hidden_layers * num_seqs * (context + 1) * kv_heads * head_dim * 2
     best = fast or plain
     return KernelTiming(f"decode attention, {num_seqs} seqs x {context} tokens, {config.num_hidden_layers} layers",
@@ -94,17 +104,7 @@ def prefill_attention(config: ModelConfig, tokens: int, block_size: int = 16) ->
     meta = AttentionMetadata(slot_blocks=slots // block_size, slot_offsets=slots % block_size,
                              span_starts=torch.tensor([0]), span_lens=torch.tensor([tokens]), span_ctx0=one,
                              block_tables=torch.arange(num_blocks)[None], prefills=[PrefillSpan(0, tokens, tokens)])
-    q = torch.randn(tokens, heads, head_dim, dtype=BF16)
-    k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=BF16) for _ in range(2))
-
-    def step(m: AttentionMetadata) -> None:
-        for k_cache, v_cache in caches:
-            paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
-
-    kernel = attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
-    with torch.inference_mode():
-        plain = best_time(lambda: step(meta), CPU)
-        fast = kernel and best_time(lambda: step(replace(meta, kernel=kernel)), CPU)
+    plain, fast = _time_attention(config, caches, meta, block_size)
     return KernelTiming(f"prefill attention, 1 prompt x {tokens} tokens, {config.num_hidden_layers} layers",
                         plain * 1e3, fast and fast * 1e3, "native: each query as a decode at its position")
 

@@ -79,12 +79,13 @@ def _library() -> ctypes.CDLL | None:
                                                               _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
         if hasattr(lib, f"gemm_{suffix}"):  # bf16 needs AVX512-BF16
             getattr(lib, f"gemm_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
-            getattr(lib, f"pack_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
         getattr(lib, f"add_rms_norm_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
         getattr(lib, f"rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64]
         getattr(lib, f"write_kv_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                        _I64, _PTR, _PTR]
         getattr(lib, f"silu_and_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
+    if hasattr(lib, "pack_panels"):  # AVX-512
+        lib.pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
     return lib
 
 
@@ -135,19 +136,16 @@ class Gemm:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _DTYPE_SUFFIX[dtype]
-        self._gemm, self._pack = getattr(lib, f"gemm_{suffix}"), getattr(lib, f"pack_{suffix}")
+        self._gemm, self._pack = getattr(lib, f"gemm_{suffix}"), lib.pack_panels
         self.dtype = dtype
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(packed weight, float32 bias padded to whole panels or None) for `forward`."""
         n, k = weight.shape
         padded = -(-n // PANEL) * PANEL
-        weight = weight.contiguous()
-        if self.dtype == torch.bfloat16:  # pairs of k in one 32-bit word, for vdpbf16ps
-            packed = torch.empty(padded * k // 2, dtype=torch.int32)
-        else:
-            packed = torch.empty(padded * k, dtype=torch.float32)
-        self._pack(weight.data_ptr(), packed.data_ptr(), n, k)
+        words = weight.contiguous().view(torch.int32)  # bf16: pairs of k in one 32-bit word, for vdpbf16ps
+        packed = torch.empty(padded * words.shape[1], dtype=torch.int32)
+        self._pack(words.data_ptr(), packed.data_ptr(), n, words.shape[1])
         padded_bias = None
         if bias is not None:
             padded_bias = torch.zeros(padded, dtype=torch.float32)

@@ -134,19 +134,6 @@ void gemm_bf16(const uint16_t *x, int64_t ldx, const uint32_t *w, const float *b
     GEMM_LOOP(M, N, BF16_CALL)
 }
 
-/* W [N, K] bf16 -> panels [ceil(N / PANEL)][K / 2][PANEL] of (W[n][2p], W[n][2p + 1]) pairs; the columns
- * past N are zero. `packed` holds ceil(N / PANEL) * PANEL * K / 2 uint32. */
-void pack_bf16(const uint16_t *w, uint32_t *packed, int64_t N, int64_t K) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
-    #pragma omp parallel for
-    for (int64_t pn = 0; pn < panels; pn++)
-        for (int64_t p = 0; p < K / 2; p++)
-            for (int64_t c = 0; c < PANEL; c++) {
-                const int64_t n = pn * PANEL + c;
-                packed[(pn * (K / 2) + p) * PANEL + c] =
-                    n < N ? (uint32_t)w[n * K + 2 * p] | (uint32_t)w[n * K + 2 * p + 1] << 16 : 0;
-            }
-}
 #endif
 
 #define F32_TILE(m0, n0, R)                                                                           \
@@ -159,15 +146,17 @@ void gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, fl
     GEMM_LOOP(M, N, F32_CALL)
 }
 
-/* W [N, K] float32 -> panels [ceil(N / PANEL)][K][PANEL]; the columns past N are zero. */
-void pack_f32(const float *w, float *packed, int64_t N, int64_t K) {
+/* W [N, K] of 32-bit words -> panels [ceil(N / PANEL)][K][PANEL]; the columns past N are zero. float32
+ * weights are packed as they are; bf16 ones as [N, K / 2] words, each a pair (W[n][2p], W[n][2p + 1]) in
+ * the order vdpbf16ps takes it. */
+void pack_panels(const uint32_t *w, uint32_t *packed, int64_t N, int64_t K) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     #pragma omp parallel for
     for (int64_t pn = 0; pn < panels; pn++)
         for (int64_t k = 0; k < K; k++)
             for (int64_t c = 0; c < PANEL; c++) {
                 const int64_t n = pn * PANEL + c;
-                packed[(pn * K + k) * PANEL + c] = n < N ? w[n * K + k] : 0.f;
+                packed[(pn * K + k) * PANEL + c] = n < N ? w[n * K + k] : 0;
             }
 }
 #endif
