@@ -1,5 +1,5 @@
 """Turns a SchedulerOutput into one forward pass over a packed batch, and returns the logits of
-the sequences that sample this step."""
+the sequences that sample this step (and of the prompt positions that prompt_logprobs scores)."""
 from __future__ import annotations
 
 import time
