@@ -57,24 +57,24 @@ class ModelRunner:
         # Decodes first, then prefill chunks, then padding; one span of rows per sequence.
         decodes = [(s, n) for s, n in output.scheduled if n == 1]
         prefills = [(s, n) for s, n in output.scheduled if n > 1]
+        scheduled = decodes + prefills
         ids: list[int] = []
         pos: list[int] = []
         slots: list[tuple[int, int]] = []
         spans: list[tuple[int, int, int]] = []  # (first row, rows, context of the first query)
-        where: dict[int, int] = {}  # id(seq) -> index of its last token in the packed batch
-        for seq, n in decodes + prefills:
+        row_of_position_0: dict[int, int] = {}  # id(seq) -> row p - p of its tokens in the packed batch
+        for seq, n in scheduled:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             spans.append((len(ids), n, start + 1))
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(self._slot(seq, p) for p in range(start, end))
-            where[id(seq)] = len(ids) - 1
+            row_of_position_0[id(seq)] = len(ids) - end
         ids.extend([0] * output.num_padding_tokens)
         pos.extend([0] * output.num_padding_tokens)
 
         dev = self.device
         slot_blocks, slot_offsets = torch.tensor(slots, dtype=torch.long, device=dev).view(-1, 2).T.contiguous()
-        scheduled = decodes + prefills
         max_blocks = max((len(s.block_table) for s, _ in scheduled), default=0)
         span_starts, span_lens, span_ctx0 = torch.tensor(spans, dtype=torch.long, device=dev).view(-1, 3).T.contiguous()
         meta = AttentionMetadata(
@@ -86,9 +86,10 @@ class ModelRunner:
             meta.decode_mask = decode_mask(span_ctx0[:len(decodes)], max_blocks * self.block_size)
             meta.prefills = [self._prefill_span(seq, first, seq.num_computed_tokens, seq.num_computed_tokens + n)
                              for (seq, n), (first, _, _) in zip(prefills, spans[len(decodes):])]
-        sample_idx = [where[id(s)] for s, n in output.scheduled if will_sample(s, n)]
-        first_row = {id(s): first - s.num_computed_tokens for (s, _), (first, _, _) in zip(scheduled, spans)}
-        sample_idx += [first_row[id(s)] + p for s, n in output.scheduled for p in prompt_logprob_positions(s, n)]
+        # The last token of each sequence that samples, then the prompt positions that prompt_logprobs scores.
+        sample_idx = [row_of_position_0[id(s)] + s.num_computed_tokens + n - 1
+                      for s, n in output.scheduled if will_sample(s, n)]
+        sample_idx += [row_of_position_0[id(s)] + p for s, n in output.scheduled for p in prompt_logprob_positions(s, n)]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, torch.tensor(sample_idx, dtype=torch.long, device=dev))
 
