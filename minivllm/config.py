@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # vLLM's names (fp8 = fp8_e4m3); int8 is ours
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
                "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 
@@ -44,6 +45,8 @@ class EngineConfig:
     block_size: int = _flag("tokens per KV-cache block", 16)
     num_kv_blocks: int | None = _flag("size the KV pool by blocks (overrides --kv-cache-memory)", None)
     kv_cache_memory: str = _flag("size the KV pool by bytes, e.g. 2GiB", "1GiB")
+    kv_cache_dtype: str = _flag("KV cache storage: auto (the model's dtype), or int8/fp8 (= fp8_e4m3)/fp8_e5m2 "
+                                "with a float32 scale per token and kv head", "auto", KV_CACHE_DTYPES)
     max_num_seqs: int = _flag("most sequences running at once", 256)
     max_num_batched_tokens: int = _flag("token budget of one engine step", 2048)
     enable_chunked_prefill: bool = _flag("split long prompts over several steps", True)

@@ -93,7 +93,7 @@ def test_kv_pool_memory_is_committed_only_where_written() -> None:
 
     # The shared fixtures' weights (float32), with a pool of 1 GiB.
     llm = LLM(dtype="float32", num_kv_blocks=2048)
-    pool = [t for pair in llm.engine.runner.kv_caches for t in pair]
+    pool = [t for cache in llm.engine.runner.kv_caches for t in cache.tensors()]
     assert sum(_pages_present(t) for t in pool) == 0
     llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     block_pages = pool[0][0].numel() * pool[0].element_size() // os.sysconf("SC_PAGE_SIZE") + 2

@@ -57,7 +57,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Mo
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
     return config.num_kv_blocks or max(
-        1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, dtype))
+        1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, dtype,
+                                                                    config.kv_cache_dtype))
 
 
 @dataclass
@@ -87,7 +88,7 @@ def load_parts(config: EngineConfig) -> ModelParts:
         tokenizer = get_tokenizer(path, model_config)
     num_blocks = num_kv_blocks(config, model_config, dtype)
     with timed(phases, "kv_pool"):
-        runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
+        runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
     return ModelParts(model_config, tokenizer, runner, Sampler(device, config.seed), num_blocks, phases)
 
 

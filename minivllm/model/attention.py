@@ -1,8 +1,9 @@
 """Attention over the paged KV cache.
 
-Pool layout, one pair per layer: k_cache [blocks, kv_heads, head_dim, block_size] (each head's keys
-transposed, so that the CPU kernel scores a block with vector FMAs) and v_cache [blocks, kv_heads,
-block_size, head_dim]. `kv_cache_shapes` is the one place that says so.
+Pool layout, per layer (kv_cache.KVCache): k [blocks, kv_heads, head_dim, block_size] (each head's keys
+transposed, so that the CPU kernel scores a block with vector FMAs) and v [blocks, kv_heads, block_size,
+head_dim]. `kv_cache_shapes` is the one place that says so. With a quantized --kv-cache-dtype the values
+are one byte each with a float32 scale per (token, kv head) beside them (kv_cache.py).
 
 The runner packs a step's tokens as [decode tokens | prefill tokens | padding], one span per
 sequence. Each layer first writes the new K/V into its cache slots (block, offset), then attends.
@@ -11,7 +12,8 @@ pool in place and treats each query by its context length alone: a token's outpu
 a prefill, a chunk after a cached prefix or a decode (batch invariance, kernels.py). The torch twin
 batches the decodes for scaled_dot_product_attention over gathered blocks and runs each prefill chunk
 on its own (a fresh prompt attends to its own K/V directly; a later chunk reads its context from the
-cache); it is not batch-invariant. Padding tokens (static batching) attend to nothing: output zero.
+cache); it is not batch-invariant. With a quantized cache it attends to what the pool gives back
+(kv_cache.round_trip), as the native kernel does, so both see the same K/V. Padding tokens (static batching) attend to nothing: output zero.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.model.kernels import LayerOps, paged_attention_native
+from minivllm.model.kv_cache import KVCache, dequantize, quantize, round_trip
 
 
 @dataclass
@@ -66,46 +69,59 @@ def decode_mask(context_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return (positions[None, :] < context_lens[:, None])[:, None, None, :]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     meta: AttentionMetadata, scale: float, ops: LayerOps | None = None) -> torch.Tensor:
-    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches as `kv_cache_shapes`.
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; `cache` this layer's pool.
     Returns [T, heads, head_dim]. `ops`: the native CPU ops, for the cache write."""
     n = meta.num_real_tokens
     if ops is not None:
-        ops.write_kv(k, v, meta.slot_blocks, meta.slot_offsets, k_cache, v_cache)
+        ops.write_kv(k, v, meta.slot_blocks, meta.slot_offsets, cache)
     else:
-        k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k[:n]
-        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v[:n]
+        write_kv(k[:n], v[:n], meta.slot_blocks, meta.slot_offsets, cache)
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
     if meta.kernel is not None:
-        paged_attention_native(meta.kernel, q, k_cache, v_cache, meta.block_tables, meta.span_starts,
+        paged_attention_native(meta.kernel, q, cache, meta.block_tables, meta.span_starts,
                                meta.span_lens, meta.span_ctx0, scale, out)
         return out
 
     d = meta.num_decodes
     if d:
-        keys, values = _gather(k_cache, v_cache, meta.block_tables[:d])  # [d, kv_heads, ctx, head_dim]
+        keys, values = _gather(cache, meta.block_tables[:d], q.dtype)  # [d, kv_heads, ctx, head_dim]
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=True)
         out[:d] = o.squeeze(2)
     for p in meta.prefills:
         end = p.start + p.num_tokens
         query = q[p.start:end].transpose(0, 1).unsqueeze(0)
-        if p.block_table is None:
-            keys = k[p.start:end].transpose(0, 1).unsqueeze(0)
-            values = v[p.start:end].transpose(0, 1).unsqueeze(0)
+        if p.block_table is None:  # a fresh prompt: its own K/V, as the pool gives them back
+            keys = round_trip(k[p.start:end], cache.fmt).transpose(0, 1).unsqueeze(0)
+            values = round_trip(v[p.start:end], cache.fmt).transpose(0, 1).unsqueeze(0)
         else:
-            keys, values = _gather(k_cache, v_cache, p.block_table[None], p.context_len)
+            keys, values = _gather(cache, p.block_table[None], q.dtype, p.context_len)
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, is_causal=p.mask is None,
                                            scale=scale, enable_gqa=True)
         out[p.start:end] = o[0].transpose(0, 1)
     return out
 
 
-def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+def write_kv(k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, cache: KVCache) -> None:
+    """The torch twin of csrc/layer_ops.c write_kv: token i's K/V ([T, kv_heads, head_dim]) into slot
+    (blocks[i], offsets[i]), quantized with its own scales when the format says so."""
+    if cache.fmt.quantized:
+        (k, k_scale), (v, v_scale) = quantize(k, cache.fmt), quantize(v, cache.fmt)
+        cache.k_scale[blocks, :, offsets] = k_scale
+        cache.v_scale[blocks, :, offsets] = v_scale
+    cache.k[blocks, :, :, offsets] = k
+    cache.v[blocks, :, offsets] = v
+
+
+def _gather(cache: KVCache, block_tables: torch.Tensor, dtype: torch.dtype,
             length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[batch, max_blocks] block ids -> keys and values, each [batch, kv_heads, tokens, head_dim]."""
-    keys = k_cache[block_tables].permute(0, 2, 1, 4, 3).flatten(2, 3)  # from [b, blocks, kvh, hd, bs]
-    values = v_cache[block_tables].transpose(1, 2).flatten(2, 3)  # from [b, blocks, kvh, bs, hd]
+    """[batch, max_blocks] block ids -> keys and values in `dtype`, each [batch, kv_heads, tokens, head_dim]."""
+    keys = cache.k[block_tables].permute(0, 2, 1, 4, 3).flatten(2, 3)  # from [b, blocks, kvh, hd, bs]
+    values = cache.v[block_tables].transpose(1, 2).flatten(2, 3)  # from [b, blocks, kvh, bs, hd]
+    if cache.fmt.quantized:  # scales [b, blocks, kvh, bs] -> [b, kvh, tokens, 1]
+        k_scale = cache.k_scale[block_tables].transpose(1, 2).flatten(2, 3)[..., None]
+        v_scale = cache.v_scale[block_tables].transpose(1, 2).flatten(2, 3)[..., None]
+        keys, values = dequantize(keys, k_scale, cache.fmt, dtype), dequantize(values, v_scale, cache.fmt, dtype)
     return keys[:, :, :length], values[:, :, :length]

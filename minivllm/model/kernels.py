@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from minivllm.config import cache_dir
+from minivllm.model.kv_cache import KVCache, KVFormat, kv_format
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
@@ -41,6 +42,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_QUANTIZED_KV = ("int8", "fp8_e4m3", "fp8_e5m2")  # kv_cache.py's quantized formats: a kernel each
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,8 +77,14 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"minivllm: native kernels unavailable, using torch ({detail.strip()[:200]})")
         return None
     for suffix in _DTYPE_SUFFIX.values():
-        getattr(lib, f"paged_attention_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
-                                                              _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
+        for kv in ("", *(f"_{name}" for name in _QUANTIZED_KV)):
+            getattr(lib, f"paged_attention_{suffix}{kv}").argtypes = [
+                _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+                ctypes.c_float, _PTR]
+        for kv in _QUANTIZED_KV:
+            getattr(lib, f"write_kv_{suffix}_{kv}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                                                _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float,
+                                                                ctypes.c_float]
         if hasattr(lib, f"gemm_{suffix}"):  # bf16 needs AVX512-BF16
             getattr(lib, f"gemm_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
         getattr(lib, f"add_rms_norm_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
@@ -100,30 +108,37 @@ def _cpu() -> str:
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK_SIZE, CHAINS = 256, 16, 64, 4  # the C file's buffers and unrolling
 
 
-def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
-    """The native paged-attention function (every query of a step) for this device, dtype and shapes,
-    or None."""
+def _kv_suffix(fmt: KVFormat) -> str:
+    return f"_{fmt.name}" if fmt.quantized else ""
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, block_size: int,
+                     kv_cache_dtype: str = "auto"):
+    """The native paged-attention function (every query of a step) for this device, dtype, KV cache
+    format and shapes, or None."""
     if (device.type != "cpu" or dtype not in _DTYPE_SUFFIX or head_dim > MAX_HEAD_DIM or head_dim % CHAINS
             or group > MAX_GROUP or block_size > MAX_BLOCK_SIZE):
         return None
     lib = _library()
-    return None if lib is None else getattr(lib, f"paged_attention_{_DTYPE_SUFFIX[dtype]}")
+    suffix = _DTYPE_SUFFIX[dtype] + _kv_suffix(kv_format(kv_cache_dtype))
+    return None if lib is None else getattr(lib, f"paged_attention_{suffix}")
 
 
-def paged_attention_native(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, span_starts: torch.Tensor, span_lens: torch.Tensor,
-                           span_ctx0: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+def paged_attention_native(kernel, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
+                           span_starts: torch.Tensor, span_lens: torch.Tensor, span_ctx0: torch.Tensor,
+                           scale: float, out: torch.Tensor) -> None:
     """Attention for every query row that a span covers, written into `out` ([T, heads, head_dim],
     contiguous); other rows are left as they are. q: [T, heads, head_dim], each row's heads contiguous (a
-    view into the fused qkv output is fine); caches as attention.kv_cache_shapes; block_tables [spans,
+    view into the fused qkv output is fine); `cache` in the format the kernel was chosen for; block_tables [spans,
     max_blocks] int64; span i covers rows span_starts[i] .. + span_lens[i], whose first query sees
     span_ctx0[i] tokens (itself included) and each next one a token more."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    k_scale, v_scale = (None, None) if cache.k_scale is None else (cache.k_scale.data_ptr(), cache.v_scale.data_ptr())
+    kernel(q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), k_scale, v_scale, block_tables.data_ptr(),
            block_tables.shape[1], span_starts.data_ptr(), span_lens.data_ptr(), span_ctx0.data_ptr(),
-           span_starts.shape[0], num_heads, k_cache.shape[1], head_dim, k_cache.shape[3], scale, out.data_ptr())
+           span_starts.shape[0], num_heads, cache.k.shape[1], head_dim, cache.k.shape[3], scale, out.data_ptr())
 
 
 PANEL = 32  # csrc/gemm.c: output columns per packed panel
@@ -175,6 +190,7 @@ class LayerOps:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _DTYPE_SUFFIX[dtype]
+        self._lib, self._suffix = lib, suffix
         self._add_rms_norm = getattr(lib, f"add_rms_norm_{suffix}")
         self._rotary = getattr(lib, f"rotary_{suffix}")
         self._write_kv = getattr(lib, f"write_kv_{suffix}")
@@ -195,12 +211,18 @@ class LayerOps:
                      q.shape[0], q.shape[1], k.shape[1], q.shape[2])
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Store the first len(blocks) tokens' K and V ([T, kv_heads, head_dim]) in their pool slots."""
+                 cache: KVCache) -> None:
+        """Store the first len(blocks) tokens' K and V ([T, kv_heads, head_dim]) in their pool slots,
+        quantized with their scales when the pool's format is (as kv_cache.quantize does)."""
         blocks, offsets = blocks.contiguous(), offsets.contiguous()
-        self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), blocks.data_ptr(), offsets.data_ptr(),
-                       blocks.shape[0], k.shape[1], k.shape[2], k_cache.shape[3], k_cache.data_ptr(),
-                       v_cache.data_ptr())
+        args = [k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), blocks.data_ptr(), offsets.data_ptr(),
+                blocks.shape[0], k.shape[1], k.shape[2], cache.k.shape[3], cache.k.data_ptr(), cache.v.data_ptr()]
+        fmt = cache.fmt
+        if not fmt.quantized:
+            self._write_kv(*args)
+            return
+        write = getattr(self._lib, f"write_kv_{self._suffix}_{fmt.name}")
+        write(*args, cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), 1.0 / fmt.qmax, fmt.qmax)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)

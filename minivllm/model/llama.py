@@ -15,6 +15,7 @@ from torch import nn
 
 from minivllm.model.attention import AttentionMetadata, paged_attention
 from minivllm.model.kernels import Gemm, LayerOps, gemm, layer_ops
+from minivllm.model.kv_cache import KVCache
 from minivllm.model.loader import ModelConfig
 
 
@@ -126,7 +127,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -137,7 +138,7 @@ class Attention(nn.Module):
             self.ops.rotary_(q, k, *rope)
         else:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.ops)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops)
         return self.o_proj(o.flatten(1))
 
 
@@ -166,7 +167,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, delta: torch.Tensor | None, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """`residual` is the residual stream, updated in place; `delta` is the previous layer's MLP
         output, not yet added to it (None at the first layer). Returns this layer's MLP output."""
         x = self.self_attn(self.input_layernorm(delta, residual), rope, kv_cache, meta)
@@ -187,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         delta = None

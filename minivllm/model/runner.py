@@ -10,19 +10,20 @@ from minivllm.engine.scheduler import SchedulerOutput, prompt_logprob_positions,
 from minivllm.engine.sequence import Sequence
 from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes
 from minivllm.model.kernels import attention_kernel
-from minivllm.model.kv_cache import allocate_kv_caches
+from minivllm.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, kv_format
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Pool bytes per block over all layers, scales included (kv_cache.py)."""
+    return block_size * kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                           dtype, kv_format(kv_cache_dtype))
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -30,8 +31,10 @@ class ModelRunner:
         cfg = model.config
         k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.attention_kernel = attention_kernel(device, dtype, cfg.head_dim,
-                                                 cfg.num_attention_heads // cfg.num_key_value_heads, block_size)
-        self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, k_shape, v_shape, dtype, device)
+                                                 cfg.num_attention_heads // cfg.num_key_value_heads, block_size,
+                                                 kv_cache_dtype)
+        self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, k_shape, v_shape, dtype, device,
+                                            kv_format(kv_cache_dtype))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:

@@ -4,7 +4,8 @@
  * layer has dozens of them. Each kernel here does one layer's worth in one call:
  *   add_rms_norm   residual += delta (if any); out = RMSNorm(residual) * weight
  *   rotary         rotate q and k in place (NeoX halves), from float32 cos/sin tables
- *   write_kv       copy the new tokens' K and V into their pool slots (layout: attention.py)
+ *   write_kv       copy the new tokens' K and V into their pool slots (layout: attention.py), or
+ *                  quantize them into a quantized pool with one scale per token and kv head (kv_cache.py)
  *   silu_and_mul   out = silu(gate) * up, from the fused gate_up output
  * Intermediate results are rounded to the model's dtype exactly where the torch code rounds them
  * (round_bf16), so that the native and torch paths give the same numbers up to the order of sums.
@@ -15,6 +16,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kv_quant.h"
 
 #define PARALLEL_ROWS 16  /* fewer rows than this run on the calling thread */
 
@@ -85,3 +87,42 @@ void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {
 
 DEFINE_OPS(bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_OPS(f32, float, f32_load, f32_store)
+
+/* One token's head of K or V into a quantized pool: its scale is amax * inv_qmax (returned, stored
+ * beside the block), its values ENCODE(clamp(x / scale)) written dst_stride apart. The same
+ * arithmetic as kv_cache.quantize, so the native and torch paths store the same bits. */
+#define DEFINE_WRITE_KV_QUANT(S, T, LOAD, Q, C, ENCODE)                                                    \
+static inline float quantize_head_##S##_##Q(const T *x, int64_t n, C *dst, int64_t dst_stride,             \
+                                            float inv_qmax, float qmax) {                                  \
+    float amax = 0.f;                                                                                      \
+    for (int64_t d = 0; d < n; d++) amax = fmaxf(amax, fabsf(LOAD(x[d])));                                 \
+    const float scale = amax * inv_qmax, inv = scale > 0.f ? 1.f / scale : 0.f;                            \
+    for (int64_t d = 0; d < n; d++) dst[d * dst_stride] = ENCODE(fminf(fmaxf(LOAD(x[d]) * inv, -qmax), qmax)); \
+    return scale;                                                                                          \
+}                                                                                                          \
+                                                                                                           \
+void write_kv_##S##_##Q(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *blocks, \
+                        const int64_t *offsets, int64_t tokens, int64_t kv_heads, int64_t head_dim,          \
+                        int64_t block_size, C *k_cache, C *v_cache, float *k_scale, float *v_scale,          \
+                        float inv_qmax, float qmax) {                                                      \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++)                                                                   \
+        for (int64_t h = 0; h < kv_heads; h++) {                                                           \
+            const int64_t head = blocks[t] * kv_heads + h, slot = head * block_size + offsets[t];          \
+            k_scale[slot] = quantize_head_##S##_##Q(k + t * k_stride + h * head_dim, head_dim,             \
+                                                    k_cache + head * head_dim * block_size + offsets[t],   \
+                                                    block_size, inv_qmax, qmax);  /* K: [head_dim][block] */ \
+            v_scale[slot] = quantize_head_##S##_##Q(v + t * v_stride + h * head_dim, head_dim,             \
+                                                    v_cache + slot * head_dim, 1, inv_qmax, qmax);         \
+        }                                                                                                  \
+}
+
+static inline uint8_t e4m3_encode(float x) { return fp8_encode(x, E4M3); }
+static inline uint8_t e5m2_encode(float x) { return fp8_encode(x, E5M2); }
+
+DEFINE_WRITE_KV_QUANT(bf16, uint16_t, bf16_to_float, int8, int8_t, int8_encode)
+DEFINE_WRITE_KV_QUANT(bf16, uint16_t, bf16_to_float, fp8_e4m3, uint8_t, e4m3_encode)
+DEFINE_WRITE_KV_QUANT(bf16, uint16_t, bf16_to_float, fp8_e5m2, uint8_t, e5m2_encode)
+DEFINE_WRITE_KV_QUANT(f32, float, f32_load, int8, int8_t, int8_encode)
+DEFINE_WRITE_KV_QUANT(f32, float, f32_load, fp8_e4m3, uint8_t, e4m3_encode)
+DEFINE_WRITE_KV_QUANT(f32, float, f32_load, fp8_e5m2, uint8_t, e5m2_encode)

@@ -17,6 +17,12 @@
  * [block_size][head_dim]. The transposed K turns a block's scores into head_dim vector FMAs over
  * block_size lanes (no horizontal sums); V rows are added as vectors too.
  *
+ * A quantized pool (--kv-cache-dtype int8/fp8, kv_cache.py) holds one byte per value and a float32
+ * scale per (token, kv head) beside it. A tile's bytes are converted to float32 as they are (int8 by a
+ * cast, fp8 through a 256-entry table: no fp8 arithmetic on the CPU), and the scales are applied per
+ * token where that is cheapest: a K scale multiplies the token's score, a V scale its softmax weight.
+ * Each query still depends on its own context alone.
+ *
  * Built at first use with the system's C compiler (kernels.py), with -ffast-math for vectorized expf.
  * Reductions whose vector split could depend on a buffer's address (the softmax sum) run over rows
  * that are 64-byte aligned and padded to 16 floats, so the compiler's code takes the same path for
@@ -28,6 +34,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kv_quant.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
@@ -48,6 +55,27 @@ static inline void bf16_tile(const uint16_t *src, tile_t *dst, int64_t n) {
 
 static inline void f32_tile(const float *src, tile_t *dst, int64_t n) {
     memcpy(dst->f, src, sizeof(float) * n);
+}
+
+static inline void int8_tile(const int8_t *src, tile_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst->f[i] = (float)src[i];
+}
+
+static float e4m3_table[256], e5m2_table[256];  /* each fp8 byte's value, filled when the library loads */
+
+__attribute__((constructor)) static void fill_fp8_tables(void) {
+    for (int x = 0; x < 256; x++) {
+        e4m3_table[x] = fp8_decode((uint8_t)x, E4M3);
+        e5m2_table[x] = fp8_decode((uint8_t)x, E5M2);
+    }
+}
+
+static inline void e4m3_tile(const uint8_t *src, tile_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst->f[i] = e4m3_table[src[i]];
+}
+
+static inline void e5m2_tile(const uint8_t *src, tile_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst->f[i] = e5m2_table[src[i]];
 }
 
 /* Blocks are scattered in the pool and the hardware prefetcher cannot guess the jumps: the score
@@ -75,10 +103,13 @@ static inline void softmax_row(float *restrict sc, int64_t ctx, int64_t padded) 
 
 /* One task: queries [0, nq) of a span (query j sees ctx0 + j tokens), one kv head and its `group`
  * query heads. q rows are q_stride apart; out rows out_stride apart. `scores` holds nq * group rows
- * of `row` floats (64-byte aligned). `tile` is the distance between consecutive blocks' tiles. */
-#define DEFINE_TASK(NAME, T, LOAD, STORE, TILE)                                                                  \
+ * of `row` floats (64-byte aligned). `tile` is the distance between consecutive blocks' tiles. The pool
+ * holds values of type C; SCALED (a quantized pool): k_scale/v_scale point at this kv head's scales in
+ * block 0, and `scale_tile` is the distance between consecutive blocks' scales. */
+#define DEFINE_TASK(NAME, T, C, LOAD, STORE, TILE, SCALED)                                                     \
 static inline __attribute__((always_inline)) void NAME(                                                   \
-        const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *table, int64_t ctx0, \
+        const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, const float *k_scale,             \
+        const float *v_scale, int64_t scale_tile, const int64_t *table, int64_t ctx0,                       \
         int64_t nq, int64_t group, int64_t head_dim, int64_t block_size, int64_t tile, float scale,         \
         T *out, int64_t out_stride, float *scores, int64_t row) {                                          \
     float qf[Q_TILE][MAX_GROUP][MAX_HEAD_DIM], acc[Q_TILE][MAX_GROUP][MAX_HEAD_DIM];                              \
@@ -89,12 +120,16 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t g = 0; g < group; g++)                                                                \
             for (int64_t d = 0; d < head_dim; d++) qf[j][g][d] = LOAD(q[j * q_stride + g * head_dim + d]) * scale; \
     for (int64_t b = 0; b < PREFETCH_BLOCKS && b < num_blocks; b++)                                        \
-        prefetch_tile(k_cache + table[b] * tile, head_dim * block_size * sizeof(T));                       \
+        prefetch_tile(k_cache + table[b] * tile, head_dim * block_size * sizeof(C));                       \
     for (int64_t b = 0; b < num_blocks; b++) {  /* scores: s[t] += q[d] * K[d][t] */                     \
-        const T *k = k_cache + table[b] * tile;                                                            \
-        if (b + PREFETCH_BLOCKS < num_blocks)                                                              \
-            prefetch_tile(k_cache + table[b + PREFETCH_BLOCKS] * tile, head_dim * block_size * sizeof(T)); \
-        prefetch_tile(v_cache + table[b] * tile, head_dim * block_size * sizeof(T));                       \
+        const C *k = k_cache + table[b] * tile;                                                            \
+        const float *ks = SCALED ? k_scale + table[b] * scale_tile : NULL;                                 \
+        if (b + PREFETCH_BLOCKS < num_blocks) {                                                            \
+            prefetch_tile(k_cache + table[b + PREFETCH_BLOCKS] * tile, head_dim * block_size * sizeof(C)); \
+            if (SCALED) prefetch_tile(k_scale + table[b + PREFETCH_BLOCKS] * scale_tile, block_size * sizeof(float)); \
+        }                                                                                                  \
+        prefetch_tile(v_cache + table[b] * tile, head_dim * block_size * sizeof(C));                       \
+        if (SCALED) prefetch_tile(v_scale + table[b] * scale_tile, block_size * sizeof(float));            \
         TILE(k, &tile_buf, head_dim * block_size);                                                         \
         for (int64_t j = 0; j < nq; j++) {                                                                 \
             if (b * block_size >= ctx0 + j) continue;  /* this query's context ends before the block */   \
@@ -109,7 +144,10 @@ static inline __attribute__((always_inline)) void NAME(                         
                     }                                                                                      \
                 float *dst = scores + (j * group + g) * row + b * block_size;                              \
                 _Pragma("omp simd")                                                                        \
-                for (int64_t t = 0; t < block_size; t++) dst[t] = s[0][t] + s[1][t] + s[2][t] + s[3][t];   \
+                for (int64_t t = 0; t < block_size; t++) {                                                 \
+                    const float sum = s[0][t] + s[1][t] + s[2][t] + s[3][t];                               \
+                    dst[t] = SCALED ? sum * ks[t] : sum;  /* the token's K scale */                        \
+                }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
@@ -120,7 +158,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t g = 0; g < group; g++)                                                                \
             for (int64_t d = 0; d < head_dim; d++) acc[j][g][d] = 0.f;                                     \
     for (int64_t b = 0; b < num_blocks; b++) {  /* acc[d] += p[t] * V[t][d] */                           \
-        const T *v = v_cache + table[b] * tile;                                                            \
+        const C *v = v_cache + table[b] * tile;                                                            \
+        const float *vs = SCALED ? v_scale + table[b] * scale_tile : NULL;                                 \
         const int64_t rows = ctx_max - b * block_size < block_size ? ctx_max - b * block_size : block_size; \
         TILE(v, &tile_buf, rows * head_dim);                                                               \
         for (int64_t j = 0; j < nq; j++) {                                                                 \
@@ -129,6 +168,11 @@ static inline __attribute__((always_inline)) void NAME(                         
             const int64_t n = ctx - b * block_size < block_size ? ctx - b * block_size : block_size;       \
             for (int64_t g = 0; g < group; g++) {                                                          \
                 const float *p = scores + (j * group + g) * row + b * block_size;                          \
+                float pv[MAX_BLOCK_SIZE];  /* the weights times the tokens' V scales */                    \
+                if (SCALED) {                                                                              \
+                    for (int64_t t = 0; t < n; t++) pv[t] = p[t] * vs[t];                                  \
+                    p = pv;                                                                                \
+                }                                                                                          \
                 float *a = acc[j][g];                                                                      \
                 int64_t t = 0;                                                                             \
                 for (; t + 4 <= n; t += 4) {  /* four rows per pass: a quarter of the acc loads and stores */ \
@@ -154,14 +198,16 @@ static inline __attribute__((always_inline)) void NAME(                         
  * contiguous. Span s covers query rows span_start[s] .. + span_len[s], sees span_ctx0[s] + i tokens at
  * its i-th query, and reads blocks block_tables[s * max_blocks ...]. Rows outside every span (padding)
  * are left alone. */
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE, TILE)                                                                \
-DEFINE_TASK(NAME##_task, T, LOAD, STORE, TILE)                                                                   \
-void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *block_tables,     \
+#define DEFINE_KERNEL(NAME, T, C, LOAD, STORE, TILE, SCALED)                                                   \
+DEFINE_TASK(NAME##_task, T, C, LOAD, STORE, TILE, SCALED)                                                        \
+void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, const float *k_scale,          \
+          const float *v_scale, const int64_t *block_tables,                                                \
           int64_t max_blocks, const int64_t *span_start, const int64_t *span_len, const int64_t *span_ctx0, \
           int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, \
           float scale, T *out) {                                                                           \
     const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;                     \
     const int64_t tile = num_kv_heads * head_tile, out_stride = num_heads * head_dim;                      \
+    const int64_t scale_tile = num_kv_heads * block_size;                                                  \
     /* Tasks (span, query tile), the most expensive (longest context) first, for load balance. */        \
     int64_t num_tiles = 0;                                                                                 \
     for (int64_t s = 0; s < num_spans; s++) num_tiles += (span_len[s] + Q_TILE - 1) / Q_TILE;              \
@@ -180,20 +226,28 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
             float *scores = aligned_alloc(64, sizeof(float) * nq * group * row);                           \
             const T *qh = q + start * q_stride + kh * group * head_dim;                                    \
             T *oh = out + start * out_stride + kh * group * head_dim;                                      \
-            const T *k = k_cache + kh * head_tile, *v = v_cache + kh * head_tile;                          \
+            const C *k = k_cache + kh * head_tile, *v = v_cache + kh * head_tile;                          \
+            const float *ks = SCALED ? k_scale + kh * block_size : NULL;                                   \
+            const float *vs = SCALED ? v_scale + kh * block_size : NULL;                                   \
             const int64_t *table = block_tables + s * max_blocks;                                          \
             /* Literal sizes for the common shapes let the compiler unroll and keep tiles in registers. */ \
             if (head_dim == 64 && block_size == 16)                                                        \
-                NAME##_task(qh, q_stride, k, v, table, ctx0, nq, group, 64, 16, tile, scale, oh, out_stride, scores, row); \
+                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 64, 16, tile, scale, oh, out_stride, scores, row); \
             else if (head_dim == 128 && block_size == 16)                                                  \
-                NAME##_task(qh, q_stride, k, v, table, ctx0, nq, group, 128, 16, tile, scale, oh, out_stride, scores, row); \
+                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 128, 16, tile, scale, oh, out_stride, scores, row); \
             else                                                                                           \
-                NAME##_task(qh, q_stride, k, v, table, ctx0, nq, group, head_dim, block_size, tile, scale, oh, \
+                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, head_dim, block_size, tile, scale, oh, \
                             out_stride, scores, row);                                                      \
             free(scores);                                                                                  \
         }                                                                                                  \
     free(tasks);                                                                                           \
 }
 
-DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_to_float, float_to_bf16, bf16_tile)
-DEFINE_KERNEL(paged_attention_f32, float, f32_load, f32_store, f32_tile)
+DEFINE_KERNEL(paged_attention_bf16, uint16_t, uint16_t, bf16_to_float, float_to_bf16, bf16_tile, 0)
+DEFINE_KERNEL(paged_attention_f32, float, float, f32_load, f32_store, f32_tile, 0)
+DEFINE_KERNEL(paged_attention_bf16_int8, uint16_t, int8_t, bf16_to_float, float_to_bf16, int8_tile, 1)
+DEFINE_KERNEL(paged_attention_bf16_fp8_e4m3, uint16_t, uint8_t, bf16_to_float, float_to_bf16, e4m3_tile, 1)
+DEFINE_KERNEL(paged_attention_bf16_fp8_e5m2, uint16_t, uint8_t, bf16_to_float, float_to_bf16, e5m2_tile, 1)
+DEFINE_KERNEL(paged_attention_f32_int8, float, int8_t, f32_load, f32_store, int8_tile, 1)
+DEFINE_KERNEL(paged_attention_f32_fp8_e4m3, float, uint8_t, f32_load, f32_store, e4m3_tile, 1)
+DEFINE_KERNEL(paged_attention_f32_fp8_e5m2, float, uint8_t, f32_load, f32_store, e5m2_tile, 1)
