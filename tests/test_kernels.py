@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.model.attention import kv_cache_shapes
+from minivllm.model.attention import kv_cache_shapes, write_kv
 from minivllm.model.kernels import attention_kernel, gemm, layer_ops, paged_attention_native
+from minivllm.model.kv_cache import KVCache, allocate_kv_caches, dequantize, kv_format
 from minivllm.model.llama import RMSNorm, apply_rotary
 from tests.helpers import EQUALITY_PROMPTS, greedy
 
@@ -22,11 +23,11 @@ def reference(q, k_cache, v_cache, table, context_len, scale):
                                           enable_gqa=True)[0, :, 0]
 
 
-def _attend(kernel, q, k_cache, v_cache, tables, spans, scale):
+def _attend(kernel, q, cache, tables, spans, scale):
     """Run the kernel over spans [(first row, rows, context of the first query)]; padding rows stay 0."""
     out = torch.zeros(q.shape, dtype=q.dtype)
     starts, lens, ctx0 = (torch.tensor(c, dtype=torch.long) for c in zip(*spans))
-    paged_attention_native(kernel, q, k_cache, v_cache, tables, starts, lens, ctx0, scale, out)
+    paged_attention_native(kernel, q, cache, tables, starts, lens, ctx0, scale, out)
     return out
 
 
@@ -53,14 +54,15 @@ def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_hea
     # q as the model passes it: a view into the fused qkv output, rows wider than the heads.
     qkv = torch.randn(39, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     q = qkv[:, : heads * head_dim].view(39, heads, head_dim)
-    out = _attend(kernel, q, k_cache, v_cache, tables, spans, scale)
+    cache = KVCache(k_cache, v_cache, kv_format("auto"))
+    out = _attend(kernel, q, cache, tables, spans, scale)
     assert out.dtype == dtype and out.shape == q.shape and not out[37:].any()
     for s, (first, rows, ctx0) in enumerate(spans):
         for i in range(rows):
             row = first + i
             torch.testing.assert_close(out[row].float(), reference(q[row], k_cache, v_cache, tables[s], ctx0 + i, scale),
                                        atol=tol, rtol=tol)
-            alone = _attend(kernel, q[row:row + 1], k_cache, v_cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale)
+            alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale)
             assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
 
 
@@ -104,7 +106,7 @@ def test_layer_ops_match_torch(dtype, tokens):
     k_shape, v_shape = kv_cache_shapes(8, 16, kv_heads, head_dim)
     k_cache, v_cache = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
     slots = torch.randperm(8 * 16, generator=gen)[:tokens]
-    ops.write_kv(k, v, slots // 16, slots % 16, k_cache, v_cache)
+    ops.write_kv(k, v, slots // 16, slots % 16, KVCache(k_cache, v_cache, kv_format("auto")))
     for t, slot in enumerate(slots.tolist()):
         assert torch.equal(k_cache[slot // 16, :, :, slot % 16], k[t])
         assert torch.equal(v_cache[slot // 16, :, slot % 16], v[t])
@@ -154,3 +156,93 @@ def test_torch_fallback_gives_the_same_tokens(llm):
         runner.attention_kernel = kernel
         runner.model.use_native_kernels(True)
     assert with_kernels == without
+
+
+QUANTIZED_KV = ["int8", "fp8_e4m3", "fp8_e5m2"]
+# Largest |stored - exact| relative to the token's amax: half a step of the format's grid at the top of
+# its range (int8: 0.5 / 127; e4m3: 3 mantissa bits -> 2^-4 of 448 / 448; e5m2: 2 bits -> 2^-3).
+KV_ROUNDING = {"int8": 0.5 / 127, "fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3}
+# Worst attention output error of a row against exact K/V, relative to the row's largest output, over
+# random K/V and queries (logits of standard deviation up to 3): about 1.5x what was measured (0.03,
+# 0.15, 0.24). The model's own figures are teacher-forced perplexity (`minivllm bench quality`).
+ATTENTION_KV_ERROR = {"int8": 0.05, "fp8_e4m3": 0.22, "fp8_e5m2": 0.35}
+
+
+def _quantized_pool(dtype, kv_cache_dtype, num_blocks, block_size, kv_heads, head_dim, gen):
+    """A pool of every slot written with random K/V through the native write_kv, and the same K/V in a
+    float32 pool of the model's layout (what `auto` would hold, unrounded)."""
+    ops = _ops(dtype)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    quantized = allocate_kv_caches(1, k_shape, v_shape, dtype, torch.device("cpu"), kv_format(kv_cache_dtype))[0]
+    exact = allocate_kv_caches(1, k_shape, v_shape, torch.float32, torch.device("cpu"))[0]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)
+    # Heads of different magnitudes (queries of unit size then give logits of standard deviation 0.1 to 3).
+    k, v = ((torch.randn(len(slots), kv_heads, head_dim, generator=gen)
+             * torch.logspace(-1, 0.5, kv_heads)[:, None]).to(dtype) for _ in range(2))
+    ops.write_kv(k, v, slots // block_size, slots % block_size, quantized)
+    write_kv(k.float(), v.float(), slots // block_size, slots % block_size, exact)
+    return quantized, exact, (k, v, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_KV)
+def test_write_kv_quantized_matches_the_torch_twin(dtype, kv_cache_dtype):
+    """The native write_kv stores the same bits and scales as the torch twin (kv_cache.quantize), one
+    scale per token and head (amax / QMAX), and every value within half a grid step of the input."""
+    gen = torch.Generator().manual_seed(1)
+    kv_heads, head_dim, block_size, num_blocks = 3, 64, 16, 8
+    native, _, (k, v, slots) = _quantized_pool(dtype, kv_cache_dtype, num_blocks, block_size, kv_heads, head_dim, gen)
+    k[5], v[7, 1] = 0, 0  # all-zero heads: scale 0, values 0
+    ops, fmt = _ops(dtype), native.fmt
+    native = allocate_kv_caches(1, native.k.shape, native.v.shape, dtype, torch.device("cpu"), fmt)[0]
+    twin = allocate_kv_caches(1, native.k.shape, native.v.shape, dtype, torch.device("cpu"), fmt)[0]
+    part = slots[:40]  # 40 of the 128 slots: the others must stay zero
+    ops.write_kv(k, v, part // block_size, part % block_size, native)
+    write_kv(k[:40], v[:40], part // block_size, part % block_size, twin)
+    for ours, theirs in zip(native.tensors(), twin.tensors()):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    b, o = part // block_size, part % block_size
+    for x, stored, scale in ((k[:40], native.k[b, :, :, o], native.k_scale[b, :, o]),
+                             (v[:40], native.v[b, :, o], native.v_scale[b, :, o])):
+        amax = x.float().abs().amax(-1)
+        assert torch.equal(scale, amax * torch.tensor(1 / fmt.qmax))
+        back = dequantize(stored, scale[..., None], fmt, torch.float32)
+        assert ((back - x.float()).abs() <= KV_ROUNDING[kv_cache_dtype] * amax[..., None] * 1.0001).all()
+    assert int(native.k_scale.count_nonzero()) <= 40 * kv_heads  # nothing written elsewhere
+    assert int(native.k.view(torch.uint8).count_nonzero()) <= 40 * kv_heads * head_dim
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_KV)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (6, 2, 80, 32)])
+def test_attention_reads_quantized_kv(dtype, kv_cache_dtype, heads, kv_heads, head_dim, block_size):
+    """The kernel on a quantized pool: each row against SDPA over the dequantized K/V (the kernel's own
+    tolerance), against SDPA over the exact K/V (the format's cost, tolerance ATTENTION_KV_ERROR), and
+    each row alone equal to it in the batch (batch invariance holds on quantized pools too)."""
+    kernel = attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads, block_size, kv_cache_dtype)
+    if kernel is None:
+        pytest.skip("no C compiler: the torch path is used")
+    gen = torch.Generator().manual_seed(2)
+    num_blocks, scale = 60, head_dim ** -0.5
+    cache, exact, _ = _quantized_pool(dtype, kv_cache_dtype, num_blocks, block_size, kv_heads, head_dim, gen)
+    fmt = cache.fmt
+    k_deq = dequantize(cache.k, cache.k_scale[:, :, None, :], fmt, torch.float32)
+    v_deq = dequantize(cache.v, cache.v_scale[..., None], fmt, torch.float32)
+    spans = [(0, 1, 1), (1, 1, block_size + 1), (2, 1, 150), (3, 21, 1), (24, 13, 38)]
+    max_blocks = -(-200 // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[:max_blocks].repeat(len(spans), 1)
+    q = torch.randn(39, heads, head_dim, generator=gen).to(dtype)
+    out = _attend(kernel, q, cache, tables, spans, scale)
+    worst = 0.0
+    for s, (first, rows, ctx0) in enumerate(spans):
+        for i in range(rows):
+            row = first + i
+            own = reference(q[row], k_deq, v_deq, tables[s], ctx0 + i, scale)
+            # float32: the scales are applied to scores and weights, not to K/V, so sums round differently.
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out[row].float(), own, atol=tol, rtol=tol)
+            full = reference(q[row], exact.k, exact.v, tables[s], ctx0 + i, scale)
+            worst = max(worst, float((out[row].float() - full).abs().max() / full.abs().max()))
+            alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale)
+            assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
+    assert worst <= ATTENTION_KV_ERROR[kv_cache_dtype]

@@ -14,7 +14,7 @@ import numpy as np
 
 from minivllm.bench.workloads import (TextCorpus, add_workload_args, build_workload, load_tokenizer, mixed_requests,
                                       parse_range, requests_as_dicts, with_arrivals, workload_spec)
-from minivllm.config import EngineConfig
+from minivllm.config import KV_CACHE_DTYPES, EngineConfig
 
 
 def write_json(path: str | None, result: dict) -> None:
@@ -256,8 +256,10 @@ def cmd_kernels(args: argparse.Namespace) -> None:
 
     model_config, _ = load_checkpoint(resolve_model_path(args.model))
     timings = [*linears(model_config, args.rows),
-               *(decode_attention(model_config, n, args.context) for n in args.num_seqs),
-               *(prefill_attention(model_config, n) for n in args.prefill_tokens),
+               *(decode_attention(model_config, n, args.context, kv_cache_dtype=kv)
+                 for kv in args.kv_cache_dtype for n in args.num_seqs),
+               *(prefill_attention(model_config, n, kv_cache_dtype=kv)
+                 for kv in args.kv_cache_dtype for n in args.prefill_tokens),
                *layer_op_timings(model_config, args.op_rows)]
     print(format_timings(timings))
     write_json(args.output_json, {"timings": [{**asdict(t), "speedup": t.speedup} for t in timings]})
@@ -343,6 +345,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=300, help="tokens already cached per sequence")
     p.add_argument("--prefill-tokens", type=_ints, default=[512, 2048], help="prompt lengths of the prefill attention")
     p.add_argument("--op-rows", type=_ints, default=[1, 64, 2048], help="token rows of the fused layer ops")
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
+                   help="KV cache formats the attention runs on")
     _output_args(p, progress=False)
     p.set_defaults(func=cmd_kernels)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from minivllm.bench.roofline import best_time, model_gemms
 from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes, paged_attention
 from minivllm.model.kernels import attention_kernel, gemm, layer_ops
+from minivllm.model.kv_cache import KVCache, allocate_kv_caches, kv_bytes_per_token, kv_format, quantize
 from minivllm.model.llama import RMSNorm, apply_rotary
 from minivllm.model.loader import ModelConfig
 
@@ -50,33 +51,47 @@ def linears(config: ModelConfig, rows: list[int]) -> list[KernelTiming]:
     return out
 
 
-def _time_attention(config: ModelConfig, caches: list, meta: AttentionMetadata,
+def _caches(config: ModelConfig, num_blocks: int, block_size: int, kv_cache_dtype: str,
+            random: bool) -> list[KVCache]:
+    """Every layer's pool in this format: random K/V (and scales), or zeros."""
+    fmt = kv_format(kv_cache_dtype)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    caches = allocate_kv_caches(config.num_hidden_layers, k_shape, v_shape, BF16, CPU, fmt)
+    for cache in caches if random else []:
+        for values in (cache.k, cache.v):
+            values.copy_(quantize(torch.randn(values.shape), fmt)[0] if fmt.quantized else torch.randn(values.shape))
+        for scales in (cache.k_scale, cache.v_scale) if fmt.quantized else ():
+            scales.uniform_(0.01, 0.02)
+    return caches
+
+
+def _time_attention(config: ModelConfig, caches: list[KVCache], meta: AttentionMetadata,
                     block_size: int) -> tuple[float, float | None]:
     """Seconds of one step's attention in every layer (KV write included) on the torch path (`meta` as
-    the torch path wants it) and with the native kernel (None where there is none)."""
+    the torch path wants it) and with the native kernels (None where there are none)."""
     kv_heads, head_dim, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
     tokens = meta.num_real_tokens
     q = torch.randn(tokens, heads, head_dim, dtype=BF16)
     k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=BF16) for _ in range(2))
 
-    def step(m: AttentionMetadata) -> None:
-        for k_cache, v_cache in caches:
-            paged_attention(q, k, v, k_cache, v_cache, m, head_dim ** -0.5)
+    def step(m: AttentionMetadata, ops=None) -> None:
+        for cache in caches:
+            paged_attention(q, k, v, cache, m, head_dim ** -0.5, ops)
 
-    kernel = attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size)
+    kernel = attention_kernel(CPU, BF16, head_dim, heads // kv_heads, block_size, caches[0].fmt.name)
+    fast_meta = replace(meta, kernel=kernel, decode_mask=None, prefills=[])
     with torch.inference_mode():
         plain = best_time(lambda: step(meta), CPU)
-        fast = kernel and best_time(lambda: step(replace(meta, kernel=kernel, decode_mask=None, prefills=[])), CPU)
+        fast = kernel and best_time(lambda: step(fast_meta, layer_ops(CPU, BF16)), CPU)
     return plain, fast
 
 
-def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_size: int = 16) -> KernelTiming:
+def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_size: int = 16,
+                     kv_cache_dtype: str = "auto") -> KernelTiming:
     """One decode step's attention in every layer (KV write included) over caches read from DRAM."""
-    kv_heads, head_dim, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
+    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
     per_seq = -(-(context + 1) // block_size)
-    k_shape, v_shape = kv_cache_shapes(num_seqs * per_seq, block_size, kv_heads, head_dim)
-    caches = [(torch.randn(k_shape, dtype=BF16), torch.randn(v_shape, dtype=BF16))
-              for _ in range(config.num_hidden_layers)]
+    caches = _caches(config, num_seqs * per_seq, block_size, kv_cache_dtype, random=True)
     tables = torch.arange(num_seqs * per_seq).view(num_seqs, per_seq)  # a fresh engine allocates in order
     lens = torch.full((num_seqs,), context + 1)
     slots = torch.arange(num_seqs) * per_seq + context // block_size
@@ -85,27 +100,28 @@ def decode_attention(config: ModelConfig, num_seqs: int, context: int, block_siz
                              span_ctx0=lens, block_tables=tables, num_decodes=num_seqs)
     plain, fast = _time_attention(config, caches, replace(meta, decode_mask=decode_mask(lens, per_seq * block_size)),
                                   block_size)
-    kv_bytes = 2 * config.num_hidden_layers * num_seqs * (context + 1) * kv_heads * head_dim * 2
+    kv_bytes = num_seqs * (context + 1) * kv_bytes_per_token(config.num_hidden_layers, kv_heads, head_dim, BF16,
+                                                             caches[0].fmt)
     best = fast or plain
-    return KernelTiming(f"decode attention, {num_seqs} seqs x {context} tokens, {config.num_hidden_layers} layers",
+    return KernelTiming(f"decode attention, {num_seqs} seqs x {context} tokens, {config.num_hidden_layers} layers"
+                        f", KV {kv_cache_dtype}",
                         plain * 1e3, fast and fast * 1e3, f"K/V read at {kv_bytes / best / 1e9:.1f} GB/s")
 
 
-def prefill_attention(config: ModelConfig, tokens: int, block_size: int = 16) -> KernelTiming:
+def prefill_attention(config: ModelConfig, tokens: int, block_size: int = 16,
+                      kv_cache_dtype: str = "auto") -> KernelTiming:
     """One fresh prompt's attention in every layer (KV write included): the native kernel, which treats
     each query as a decode at its position (batch invariance), against causal scaled_dot_product_attention."""
-    kv_heads, head_dim, heads = config.num_key_value_heads, config.head_dim, config.num_attention_heads
     num_blocks = -(-tokens // block_size)
-    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
-    caches = [(torch.zeros(k_shape, dtype=BF16), torch.zeros(v_shape, dtype=BF16))
-              for _ in range(config.num_hidden_layers)]
+    caches = _caches(config, num_blocks, block_size, kv_cache_dtype, random=False)
     slots = torch.arange(tokens)
     one = torch.tensor([1])
     meta = AttentionMetadata(slot_blocks=slots // block_size, slot_offsets=slots % block_size,
                              span_starts=torch.tensor([0]), span_lens=torch.tensor([tokens]), span_ctx0=one,
                              block_tables=torch.arange(num_blocks)[None], prefills=[PrefillSpan(0, tokens, tokens)])
     plain, fast = _time_attention(config, caches, meta, block_size)
-    return KernelTiming(f"prefill attention, 1 prompt x {tokens} tokens, {config.num_hidden_layers} layers",
+    return KernelTiming(f"prefill attention, 1 prompt x {tokens} tokens, {config.num_hidden_layers} layers"
+                        f", KV {kv_cache_dtype}",
                         plain * 1e3, fast and fast * 1e3, "native: each query as a decode at its position")
 
 
