@@ -1,4 +1,4 @@
-"""`minivllm bench throughput|latency|serve|compare|scheduling|startup|kernels|roofline`: flags and the commands
+"""`minivllm bench throughput|latency|serve|compare|scheduling|startup|kernels|roofline|quality`: flags and the commands
 that tie the parts."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 
 from minivllm.bench.workloads import (TextCorpus, add_workload_args, build_workload, load_tokenizer, mixed_requests,
                                       parse_range, requests_as_dicts, with_arrivals, workload_spec)
+from minivllm.bench.quality import DEFAULT_TEXT
 from minivllm.config import KV_CACHE_DTYPES, EngineConfig
 
 
@@ -265,9 +266,20 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     write_json(args.output_json, {"timings": [{**asdict(t), "speedup": t.speedup} for t in timings]})
 
 
+# -- quality --------------------------------------------------------------------------------------------
+def cmd_quality(args: argparse.Namespace) -> None:
+    from minivllm.bench.quality import parse_overrides, run_quality
+
+    candidate = EngineConfig.from_cli_args(args)
+    reference = replace(candidate, **parse_overrides(args.reference))
+    result = run_quality(candidate, reference, Path(args.text).read_text(), args.chunk_len, args.num_tokens)
+    print(result.text())
+    write_json(args.output_json, {**asdict(result), "ppl_rel_diff": result.ppl_rel_diff, "text": args.text})
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, scheduling, startup, "
-                                         "kernels, roofline; simulate, calibrate")
+                                         "kernels, roofline, quality; simulate, calibrate")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bench_sub.add_parser("throughput", help="offline throughput of a workload (minivllm or --backend hf)")
@@ -349,6 +361,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV cache formats the attention runs on")
     _output_args(p, progress=False)
     p.set_defaults(func=cmd_kernels)
+
+    p = bench_sub.add_parser("quality", help="teacher-forced perplexity and top-1 agreement of an engine setting "
+                                             "(e.g. --kv-cache-dtype int8) against a reference setting")
+    p.add_argument("--reference", nargs="+", default=["kv_cache_dtype=auto"], metavar="NAME=VALUE",
+                   help="engine flags that make the reference from the candidate (default: kv_cache_dtype=auto)")
+    p.add_argument("--text", default=str(DEFAULT_TEXT), help="held-out prose to score (default: the shipped text)")
+    p.add_argument("--chunk-len", type=int, default=512, help="tokens per teacher-forced chunk")
+    p.add_argument("--num-tokens", type=int, default=None, help="score only the first N tokens (default: all)")
+    _output_args(p, progress=False)
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_quality)
 
     p = bench_sub.add_parser("roofline", help="this machine's GEMM rate, read bandwidth and the model's roofline")
     p.add_argument("--model", default=None, help="checkpoint whose layer shapes are measured (default: SmolLM2)")
