@@ -39,6 +39,15 @@ def _scored(llm: LLM, prompt: str) -> list[dict[int, float]]:
     return out.prompt_logprobs[1:]
 
 
+def _assert_close(llm: LLM, ours: list[dict[int, float]], theirs: list[dict[int, float]]) -> None:
+    """Top-1 agreement and mean |logprob difference| of the text's tokens within CLOSENESS. Each entry
+    holds the text's next token (listed first) and the top-1."""
+    agree = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(ours, theirs)) / len(ours)
+    drift = sum(abs(next(iter(a.values())) - next(iter(b.values()))) for a, b in zip(ours, theirs)) / len(ours)
+    least_agreement, most_drift = CLOSENESS[llm.engine.config.kv_cache_dtype]
+    assert agree >= least_agreement and drift <= most_drift, (agree, drift)
+
+
 def test_pool_holds_about_twice_the_tokens(quantized: LLM, reference: LLM) -> None:
     """The pool size counts one byte per value plus two float32 scales per token and kv head."""
     cfg = quantized.engine.model_config
@@ -53,13 +62,26 @@ def test_teacher_forced_close_to_the_bf16_kv_cache(quantized: LLM, reference: LL
     prompt tokens' logprobs are close to its, within CLOSENESS; a greedy answer stays right."""
     ours, theirs = _scored(quantized, LONG_PROMPT), _scored(reference, LONG_PROMPT)
     assert len(ours) == len(theirs) > 150
-    agree = sum(max(a, key=a.get) == max(b, key=b.get) for a, b in zip(ours, theirs)) / len(ours)
-    # Each entry holds the actual next token (listed first) and the top-1.
-    drift = sum(abs(next(iter(a.values())) - next(iter(b.values()))) for a, b in zip(ours, theirs)) / len(ours)
-    least_agreement, most_drift = CLOSENESS[quantized.engine.config.kv_cache_dtype]
-    assert agree >= least_agreement and drift <= most_drift, (agree, drift)
+    _assert_close(quantized, ours, theirs)
     text = quantized.generate("The capital of France is", greedy(8), use_tqdm=False)[0].outputs[0].text
     assert "Paris" in text
+
+
+def test_torch_twin_on_the_quantized_cache(quantized: LLM) -> None:
+    """The torch path (CUDA, no compiler) quantizes and reads the cache as the native one does: teacher-
+    forced it stays within CLOSENESS of the native path (they differ in sum order and bf16 roundings)."""
+    runner = quantized.engine.runner
+    if not runner.batch_invariant:
+        pytest.skip("no native kernels here: the torch path is what the other tests run")
+    native = _scored(quantized, LONG_PROMPT)
+    kernel, runner.attention_kernel = runner.attention_kernel, None
+    runner.model.use_native_kernels(False)
+    try:
+        twin = _scored(quantized, LONG_PROMPT)
+    finally:
+        runner.attention_kernel = kernel
+        runner.model.use_native_kernels(True)
+    _assert_close(quantized, twin, native)
 
 
 def test_same_request_alone_and_in_a_batch(quantized: LLM) -> None:
