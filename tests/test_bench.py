@@ -251,16 +251,31 @@ def test_latency_end_to_end(tmp_path):
 
 def test_kernels_end_to_end(tmp_path):
     res = run_json(tmp_path, "kernels", "--rows", "1,9", "--num-seqs", "2", "--context", "20", "--op-rows", "3",
-                   "--prefill-tokens", "40")
+                   "--prefill-tokens", "40", "--kv-cache-dtype", "auto,int8")
     what = [t["what"] for t in res["timings"]]
     assert what == ["120 layer GEMMs x 1 rows", "120 layer GEMMs x 9 rows",
-                    "decode attention, 2 seqs x 20 tokens, 30 layers",
-                    "prefill attention, 1 prompt x 40 tokens, 30 layers",
+                    "decode attention, 2 seqs x 20 tokens, 30 layers, KV auto",
+                    "decode attention, 2 seqs x 20 tokens, 30 layers, KV int8",
+                    "prefill attention, 1 prompt x 40 tokens, 30 layers, KV auto",
+                    "prefill attention, 1 prompt x 40 tokens, 30 layers, KV int8",
                     "add + RMSNorm, 3 rows", "SiLU and mul, 3 rows", "RoPE on q and k, 3 rows"]
     assert all(t["torch_ms"] > 0 for t in res["timings"])
     for t in res["timings"]:
         if t["native_ms"] is not None:
             assert t["speedup"] == pytest.approx(t["torch_ms"] / t["native_ms"])
+
+
+def test_quality_end_to_end(tmp_path, capsys):
+    """Two chunks of the shipped prose, teacher-forced with an int8 KV cache against the fp32 one."""
+    res = run_json(tmp_path, "quality", "--dtype", "float32", "--kv-cache-dtype", "int8", "--chunk-len", "64",
+                   "--num-tokens", "128", "--num-kv-blocks", "16")
+    assert res["num_tokens"] == 2 * 63 and res["chunk_len"] == 64
+    assert res["candidate"]["kv_cache_dtype"] == "int8" and res["reference"]["kv_cache_dtype"] == "auto"
+    assert 1 < res["reference_ppl"] < 1000 and 0.5 < res["top1_agreement"] <= 1
+    assert res["ppl_rel_diff"] == pytest.approx(res["candidate_ppl"] / res["reference_ppl"] - 1)
+    with pytest.raises(SystemExit):  # the CLI prints the error and exits 2
+        run_json(tmp_path, "quality", "--reference", "no_such_flag=1")
+    assert "reference: expected NAME=VALUE" in capsys.readouterr().err
 
 
 def test_roofline_end_to_end(tmp_path):

@@ -207,6 +207,14 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _kv_cache_dtypes(text: str) -> list[str]:
+    values = text.split(",")
+    if not set(values) <= set(KV_CACHE_DTYPES):
+        raise argparse.ArgumentTypeError(f"expected comma-separated values of {', '.join(KV_CACHE_DTYPES)}, "
+                                         f"got {text!r}")
+    return values
+
+
 def _dtypes(text: str) -> tuple[str, ...]:
     names = tuple(text.split(","))
     if not set(names) <= {"bfloat16", "float32", "float16"}:
@@ -357,8 +365,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=300, help="tokens already cached per sequence")
     p.add_argument("--prefill-tokens", type=_ints, default=[512, 2048], help="prompt lengths of the prefill attention")
     p.add_argument("--op-rows", type=_ints, default=[1, 64, 2048], help="token rows of the fused layer ops")
-    p.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
-                   help="KV cache formats the attention runs on")
+    p.add_argument("--kv-cache-dtype", type=_kv_cache_dtypes, default=["auto"],
+                   help="KV cache formats the attention runs on, e.g. auto,int8,fp8")
     _output_args(p, progress=False)
     p.set_defaults(func=cmd_kernels)
 
