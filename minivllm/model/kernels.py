@@ -92,6 +92,8 @@ def _library() -> ctypes.CDLL | None:
             getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int, _PTR, _PTR,
                                                         _I64, _I64, _I64, _I64]
         getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, ctypes.c_int, _I64, _PTR, _I64, _PTR]
+        if hasattr(lib, f"forward_layers_{suffix}"):
+            getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
     return lib
 
 
@@ -204,6 +206,14 @@ def quant_gemm(device: torch.device, dtype: torch.dtype) -> QuantGemm | None:
         return None
     lib = _library()
     return QuantGemm(lib, dtype) if lib is not None and hasattr(lib, f"qgemm_{_DTYPE_SUFFIX[dtype]}") else None
+
+
+def forward_layers(device: torch.device, dtype: torch.dtype):
+    """csrc/forward.c's layer loop for this device and dtype (native_forward.py drives it), or None."""
+    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX:
+        return None
+    lib = _library()
+    return None if lib is None else getattr(lib, f"forward_layers_{_DTYPE_SUFFIX[dtype]}", None)
 
 
 class LayerOps:

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.attention import AttentionMetadata, paged_attention
-from minivllm.model.kernels import Gemm, LayerOps, gemm, layer_ops, quant_gemm
+from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_ops, quant_gemm
 from minivllm.model.loader import ModelConfig
+from minivllm.model.native_forward import NativeForward
 from minivllm.model.quant import QuantizedTensor, QuantizedWeight, cat_rows, padded_bias, quantize
 
 
@@ -208,6 +209,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # The whole layer loop in one native call (native_forward.py), when every kernel is native; the
+    # Python loop in `forward` is its reference.
+    native_forward: NativeForward | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -224,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        if self.native_forward is not None and meta.kernel is not None:
+            return self.native_forward(residual, rope, kv_caches, meta)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             delta = layer(delta, residual, rope, kv_cache, meta)
@@ -263,6 +270,9 @@ class LlamaForCausalLM(nn.Module):
                 module.use_native(enabled, device, dtype)
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+        function = forward_layers(device, dtype) if enabled else None
+        covered = self.uses_native_kernels and not self.config.qk_norm
+        self.native_forward = NativeForward(self, function) if function and covered else None
 
     @property
     def uses_native_kernels(self) -> bool:
