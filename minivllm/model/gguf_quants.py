@@ -200,14 +200,34 @@ def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: tor
         return torch.from_numpy(np_dequantize(raw.numpy(), GGMLQuantizationType(qtype)).reshape(shape)).to(dtype)
     blocks = raw.view(-1, fmt.type_size)
     out = torch.empty((blocks.shape[0], fmt.block_size), dtype=dtype)
-    step = max(1, CHUNK_ELEMENTS // fmt.block_size)
 
-    def decode_chunk(start: int) -> None:
-        out[start:start + step] = fmt.decode(blocks[start:start + step])
+    def decode_chunk(start: int, end: int) -> None:
+        out[start:end] = fmt.decode(blocks[start:end])
 
-    for _ in _pool().map(decode_chunk, range(0, blocks.shape[0], step)):
-        pass  # (re-raises a chunk's error)
+    _in_chunks(blocks.shape[0], fmt.block_size, decode_chunk)
     return out.view(shape)
+
+
+def split(raw: torch.Tensor, qtype: int) -> Ints:
+    """A GGUF tensor's blocks (uint8, flat) split into integers and scales (`BlockFormat.split`)."""
+    fmt = BLOCK_FORMATS[qtype]
+    blocks = raw.view(-1, fmt.type_size)
+    parts: dict[int, Ints] = {}
+
+    def split_chunk(start: int, end: int) -> None:
+        parts[start] = fmt.split(blocks[start:end])
+
+    _in_chunks(blocks.shape[0], fmt.block_size, split_chunk)
+    chunks = [parts[k] for k in sorted(parts)]
+    return Ints(*(torch.cat([getattr(c, f) for c in chunks]) for f in ("u", "d", "m")), chunks[0].bits)
+
+
+def _in_chunks(num_blocks: int, block_size: int, work) -> None:
+    """work(start, end) over chunks of blocks, spread over the pool of threads."""
+    step = max(1, CHUNK_ELEMENTS // block_size)
+    starts = range(0, num_blocks, step)
+    for _ in _pool().map(lambda start: work(start, min(start + step, num_blocks)), starts):
+        pass  # (re-raises a chunk's error)
 
 
 @functools.lru_cache(maxsize=1)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from minivllm.config import cache_dir
-from minivllm.model.quant import padded_bias
+from minivllm.model.quant import QuantizedTensor, pack, padded_bias
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
@@ -91,6 +91,7 @@ def _library() -> ctypes.CDLL | None:
         if hasattr(lib, f"qgemm_{suffix}"):  # AVX512-VNNI (and -BF16 for bf16)
             getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int, _PTR, _PTR,
                                                         _I64, _I64, _I64, _I64]
+        lib.pack_quantized.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR]
         getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, ctypes.c_int, _I64, _PTR, _I64, _PTR]
         if hasattr(lib, f"forward_layers_{suffix}"):
             getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
@@ -180,7 +181,12 @@ class QuantGemm:
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _DTYPE_SUFFIX[dtype]
         self._gemm, self._rows = getattr(lib, f"qgemm_{suffix}"), getattr(lib, f"qrows_{suffix}")
+        self._pack = lib.pack_quantized
         self.dtype = dtype
+
+    def pack(self, t: QuantizedTensor) -> torch.Tensor:
+        """The weight in this kernel's packed layout (quant.pack)."""
+        return pack(t, self._pack)
 
     def forward(self, x: torch.Tensor, packed: torch.Tensor, bits: int, sub: int, bias: torch.Tensor | None,
                 n: int) -> torch.Tensor:

@@ -99,7 +99,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even while the model is built on the meta device: meta tensors' math would import
+    # torch._prims (a second of start-up) for a table this small.
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
@@ -113,7 +115,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
                                torch.where(wavelen < old_len / high, inv_freq, blended))
     elif kind == "freq_factors":  # a GGUF's rope_freqs: the same scaling, precomputed per frequency
-        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq
@@ -248,7 +250,6 @@ class LlamaForCausalLM(nn.Module):
         quantize the float weights, "none" dequantizes whatever comes quantized."""
         with torch.device("meta"):
             model = cls(config)
-        model.rotary = Rotary(config)  # computed, not loaded: build it for real
         model._assign(weights, dtype, quantization)
         model = model.to(device).eval()
         for weight in model.quantized_weights():

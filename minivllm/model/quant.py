@@ -121,21 +121,16 @@ def block_bytes(bits: int, sub: int) -> int:
     return PANEL * GROUP * bits // 8 + sub * 2 * PANEL * 2
 
 
-def pack(t: QuantizedTensor) -> torch.Tensor:
-    """uint8 [panels, k / 32, block_bytes]: per panel of 16 columns and block of 32 k, the integers in
-    groups of 4 k (column c's 4 bytes at c * 4; bits 4: group g + 4 in the high nibbles of group g),
-    then per sub-group 16 float16 d and 16 float16 m. Columns past n are zero."""
+def pack(t: QuantizedTensor, pack_quantized) -> torch.Tensor:
+    """uint8 [panels, k / 32, block_bytes] by the C packer `pack_quantized` (kernels.QuantGemm.pack):
+    per panel of 16 columns and block of 32 k, the integers in groups of 4 k (column c's 4 bytes at
+    c * 4; bits 4: group g + 4 in the high nibbles of group g), then per sub-group 16 float16 d and 16
+    float16 m. Columns past n are zero."""
     n, k = t.shape
-    panels, blocks, sub = -(-n // PANEL), k // GROUP, t.sub
-    pad = panels * PANEL - n
-    u = torch.nn.functional.pad(t.u, (0, 0, 0, pad)).view(panels, PANEL, blocks, 8, 4)
-    u = u.permute(0, 2, 3, 1, 4)  # [panels, blocks, group of 4 k, column, 4 k]
-    if t.bits == 4:
-        u = u[:, :, :4] | (u[:, :, 4:] << 4)
-    scales = [torch.nn.functional.pad(s, (0, 0, 0, pad)).view(panels, PANEL, blocks, sub).permute(0, 2, 3, 1)
-              for s in (t.d, t.m)]
-    scales = torch.stack(scales, dim=3).contiguous()  # [panels, blocks, sub, d|m, column]
-    return torch.cat([u.reshape(panels, blocks, -1), scales.view(torch.uint8).view(panels, blocks, -1)], dim=2)
+    u, d, m = t.u.contiguous(), t.d.contiguous(), t.m.contiguous()
+    out = torch.empty(-(-n // PANEL), k // GROUP, block_bytes(t.bits, t.sub), dtype=torch.uint8)
+    pack_quantized(u.data_ptr(), d.data_ptr(), m.data_ptr(), n, k, t.bits, t.sub, out.data_ptr())
+    return out
 
 
 def unpack(packed: torch.Tensor, n: int, bits: int, sub: int) -> QuantizedTensor:
@@ -197,7 +192,7 @@ class QuantizedWeight:
 
     def use_kernel(self, kernel, dtype: torch.dtype) -> None:
         if kernel is not None and self.packed is None:
-            self.packed, self.tensor = pack(self.tensor), None
+            self.packed, self.tensor = kernel.pack(self.tensor), None
         elif kernel is None and self.tensor is None:
             self.tensor, self.packed = unpack(self.packed, self.n, self.bits, self.sub), None
         self.kernel, self.dtype = kernel, dtype

@@ -215,3 +215,32 @@ void qrows_##S(const uint8_t *w, int bits, int sub, int64_t K, const int64_t *id
 
 QROWS(f32, float, f32_store)
 QROWS(bf16, uint16_t, float_to_bf16)
+
+/* A QuantizedTensor (quant.py: u [N, K] uint8, d and m [N, K / 32 * sub] float16) -> the packed layout
+ * above, [panels][K / 32][block_bytes]; the columns past N are zero. */
+void pack_quantized(const uint8_t *u, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K, int bits,
+                    int sub, uint8_t *out) {
+    const int64_t blocks = K / 32, groups = blocks * sub, stride = 16 * 32 * bits / 8 + sub * 64;
+    const int64_t panels = (N + 15) / 16;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *blk = out + (p * blocks + b) * stride;
+            uint16_t *sc = (uint16_t *)(blk + 16 * 32 * bits / 8);
+            memset(blk, 0, (size_t)stride);
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t n = p * 16 + c;
+                if (n >= N) break;
+                const uint8_t *row = u + n * K + b * 32;
+                for (int kk = 0; kk < 32; kk++) {
+                    const int g = kk / 4, j = kk % 4;
+                    if (bits == 8) blk[g * 64 + c * 4 + j] = row[kk];
+                    else blk[(g % 4) * 64 + c * 4 + j] |= (uint8_t)(row[kk] << (g < 4 ? 0 : 4));
+                }
+                for (int s = 0; s < sub; s++) {
+                    sc[s * 32 + c] = d[n * groups + b * sub + s];
+                    sc[s * 32 + 16 + c] = m[n * groups + b * sub + s];
+                }
+            }
+        }
+}
