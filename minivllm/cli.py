@@ -117,8 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                             args.enable_auto_tool_choice, args.tool_call_parser)
     engine = LLMEngine(config)
     engine.warm_up()
-    with timed(engine.startup_time, "chat_template"):  # transformers renders it: import it now, not on a request
-        engine.tokenizer.hf
+    with timed(engine.startup_time, "chat_template"):  # read and compiled now, not on the first request
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=options.chat_template)
     if imported is not None:
         engine.startup_time = {"import": imported, **engine.startup_time}
     serve(engine, options, args.host, args.port)

@@ -251,11 +251,12 @@ def cmd_startup(args: argparse.Namespace) -> None:
 
 
 def cmd_kernels(args: argparse.Namespace) -> None:
-    from minivllm.bench.kernels import decode_attention, format_timings, layer_op_timings, linears, prefill_attention
+    from minivllm.bench.kernels import (decode_attention, format_timings, layer_op_timings, linears,
+                                        prefill_attention, quantized_linears)
     from minivllm.model.loader import load_checkpoint, resolve_model_path
 
     model_config, _ = load_checkpoint(resolve_model_path(args.model))
-    timings = [*linears(model_config, args.rows),
+    timings = [*linears(model_config, args.rows), *quantized_linears(model_config, args.rows),
                *(decode_attention(model_config, n, args.context) for n in args.num_seqs),
                *(prefill_attention(model_config, n) for n in args.prefill_tokens),
                *layer_op_timings(model_config, args.op_rows)]
