@@ -35,7 +35,8 @@ class TensorParallelGroup:
     world_size: int
     control: Any  # the process group of the step broadcasts
     workers: list[mp.Process] = field(default_factory=list)  # ranks 1.. when rank 0 spawned them
-    all_reduce_time: float = 0.0  # seconds in all_reduce, for `bench`'s share of the step
+    all_reduce_time: float = 0.0  # seconds in all_reduce, for `bench latency`'s share of the step
+    send_time: float = 0.0  # seconds rank 0 spent broadcasting step inputs
     failed: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,9 @@ class TensorParallelGroup:
 
     def send_step(self, inputs: Any) -> None:
         """Rank 0: this step's inputs (or None: stop) to every worker."""
+        start = time.perf_counter()
         dist.broadcast_object_list([inputs], src=0, group=self.control)
+        self.send_time += time.perf_counter() - start
 
     def recv_step(self) -> Any:
         box = [None]

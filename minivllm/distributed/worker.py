@@ -71,6 +71,7 @@ def start_tensor_parallel(config: EngineConfig, path: Path) -> tuple[ModelConfig
             serve_steps(config, path, group)
             raise SystemExit(0)
     else:
+        share_cores(n)  # this process is rank 0
         workers, init_method = spawn_workers(n, _spawned_worker, (config, str(path)))
         group = join(0, n, backend, init_method, workers)
     full, model = load_shard(config, path, group, config.torch_device)
@@ -78,8 +79,15 @@ def start_tensor_parallel(config: EngineConfig, path: Path) -> tuple[ModelConfig
 
 
 def _spawned_worker(rank: int, world_size: int, init_method: str, config: EngineConfig, path: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # the ranks share this host's cores
+    share_cores(world_size)
     serve_steps(config, Path(path), join(rank, world_size, backend_for(config.torch_device), init_method))
+
+
+def share_cores(world_size: int) -> None:
+    """Ranks spawned on one host split its cores (oversubscribed, each rank's threads would spin
+    against the others' at every all_reduce); OMP_NUM_THREADS, if set, wins (torchrun sets 1)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
 def serve_steps(config: EngineConfig, path: Path, group: TensorParallelGroup) -> None:
