@@ -38,6 +38,7 @@ class TensorParallelGroup:
     all_reduce_time: float = 0.0  # seconds in all_reduce, for `bench latency`'s share of the step
     send_time: float = 0.0  # seconds rank 0 spent broadcasting step inputs
     failed: bool = False
+    num_threads_before: int | None = None  # rank 0's torch threads before it shared the cores
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -80,6 +81,8 @@ class TensorParallelGroup:
                 p.kill()
                 p.join()
         dist.destroy_process_group()
+        if self.num_threads_before is not None:
+            torch.set_num_threads(self.num_threads_before)
 
 
 def backend_for(device: torch.device) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,9 +72,10 @@ def start_tensor_parallel(config: EngineConfig, path: Path) -> tuple[ModelConfig
             serve_steps(config, path, group)
             raise SystemExit(0)
     else:
-        share_cores(n)  # this process is rank 0
+        threads = share_cores(n)  # this process is rank 0: close() gives its threads back
         workers, init_method = spawn_workers(n, _spawned_worker, (config, str(path)))
         group = join(0, n, backend, init_method, workers)
+        group.num_threads_before = threads
     full, model = load_shard(config, path, group, config.torch_device)
     return full, model, group
 
@@ -83,11 +85,14 @@ def _spawned_worker(rank: int, world_size: int, init_method: str, config: Engine
     serve_steps(config, Path(path), join(rank, world_size, backend_for(config.torch_device), init_method))
 
 
-def share_cores(world_size: int) -> None:
+def share_cores(world_size: int) -> int:
     """Ranks spawned on one host split its cores (oversubscribed, each rank's threads would spin
-    against the others' at every all_reduce); OMP_NUM_THREADS, if set, wins (torchrun sets 1)."""
+    against the others' at every all_reduce); OMP_NUM_THREADS, if set, wins (torchrun sets 1).
+    Returns the thread count before."""
+    before = torch.get_num_threads()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    return before
 
 
 def serve_steps(config: EngineConfig, path: Path, group: TensorParallelGroup) -> None:
@@ -103,6 +108,19 @@ def serve_steps(config: EngineConfig, path: Path, group: TensorParallelGroup) ->
     runner = ModelRunner(model, num_kv_blocks(config, model.config, dtype), config.block_size, device, dtype)
     with torch.inference_mode():
         while (step := group.recv_step()) is not None:
-            input_ids, positions, meta = step
+            input_ids, positions, meta = (_on(x, device) for x in step)
             model(input_ids, positions, runner.kv_caches, dataclasses.replace(meta, kernel=runner.attention_kernel))
     group.close()
+
+
+def _on(x: Any, device: torch.device) -> Any:
+    """A step input on this rank's device (a no-op on CPU; under NCCL, unpickled tensors land on
+    the sender's GPU index)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if dataclasses.is_dataclass(x):
+        return dataclasses.replace(x, **{f.name: _on(getattr(x, f.name), device) for f in dataclasses.fields(x)
+                                         if f.init})
+    if isinstance(x, list):
+        return [_on(v, device) for v in x]
+    return x

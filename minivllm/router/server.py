@@ -33,10 +33,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.router.policies import ROUTING_POLICIES, NoReplicaError, Router
-from minivllm.server.api import APIError, listening_url, read_body
+from minivllm.server.api import APIError, add_error_handlers, listening_url, read_body
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,14 +149,8 @@ class RouterServer:
 
     async def guarded(self, i: int, work: Awaitable[T]) -> T:
         """`work`, unless replica i leaves the rotation first (then ReplicaFailed: nobody waits on it)."""
-        task, cut = asyncio.ensure_future(work), asyncio.ensure_future(self.replicas[i].cut_off.wait())
-        try:
-            await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            cut.cancel()
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
+        task = await _unless(work, self.replicas[i].cut_off.wait())
+        if task is None:
             raise ReplicaFailed(self.replicas[i].reason)
         try:
             return task.result()
@@ -219,20 +212,12 @@ class RouterServer:
     @staticmethod
     async def until_client_leaves(work: Awaitable[T], client: Request) -> T:
         """A non-streamed answer is awaited only while its client is there (the replica aborts otherwise)."""
-        task = asyncio.ensure_future(work)
-
         async def hung_up() -> None:
             while (await client.receive())["type"] != "http.disconnect":
                 pass
 
-        gone = asyncio.ensure_future(hung_up())
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not task.done():
-                task.cancel()
-        if task.cancelled() or not task.done():
+        task = await _unless(work, hung_up())
+        if task is None:
             return b""  # nobody to answer
         return task.result()
 
@@ -288,6 +273,19 @@ class RouterServer:
             return r.text
         except ReplicaFailed:
             return ""
+
+
+async def _unless(work: Awaitable[T], stop: Awaitable[Any]) -> asyncio.Future[T] | None:
+    """Await `work` unless `stop` completes first (then `work` is cancelled and None returned);
+    the finished task otherwise, whose result() gives the value or raises."""
+    task, stopper = asyncio.ensure_future(work), asyncio.ensure_future(stop)
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+    return task if task.done() and not task.cancelled() else None
 
 
 async def _next(chunks: AsyncIterator[bytes]) -> bytes | None:
@@ -346,14 +344,7 @@ def build_router_app(options: RouterOptions) -> FastAPI:
     app.post("/v1/completions")(server.generate)
     app.post("/v1/chat/completions")(server.generate)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # unknown path, method
-        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
-
+    add_error_handlers(app)
     return app
 
 

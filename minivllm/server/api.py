@@ -915,6 +915,12 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     app.post("/v1/chat/completions", dependencies=v1)(server.chat_completions)
     add_routes(app, Dashboard(options.api_key, feed, title=options.served_model_name))
 
+    add_error_handlers(app)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape (the router's app uses them too)."""
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return e.response()
@@ -931,8 +937,6 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return APIError(500, f"internal server error: {e!r}", None, "internal_error").response()
-
-    return app
 
 
 def listening_url(server: uvicorn.Server) -> str:
