@@ -1,6 +1,6 @@
 """Data parallel behind the router: `minivllm serve --data-parallel-size 2` (two engine processes,
 each a real `minivllm serve`, behind the router in the front process), driven as the server tests
-drive one server. The last test kills a replica mid-load."""
+drive one server. The last two tests kill one replica mid-load and stop the other."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -133,3 +134,24 @@ def test_killed_replica_leaves_rotation_waiting_requests_move_streams_end_with_a
     assert health == {victim: False, survivor: True}
     after = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
     assert after.status_code == 200 and after.headers["x-minivllm-replica"] == survivor
+
+
+def test_a_replica_that_stops_answering_leaves_rotation_nothing_hangs_and_it_rejoins(server: ServerProcess) -> None:
+    """After the kill above, one replica is left: stopped (SIGSTOP), it accepts connections but
+    answers nothing. Its health check times out (3 s here), the request waiting on it is cut and,
+    with no replica left, answered 503; resumed, it rejoins."""
+    urls = replicas(server)
+    survivor = next(r["url"] for r in httpx.get(f"{server.url}/health").json()["replicas"] if r["healthy"])
+    os.kill(urls[survivor], signal.SIGSTOP)
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica", r.text
+        assert "health check failed" in r.json()["error"]["message"]
+    finally:
+        os.kill(urls[survivor], signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while not httpx.get(f"{server.url}/health").status_code == 200:
+        assert time.monotonic() < deadline, "the resumed replica did not rejoin"
+        time.sleep(0.5)
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+                      timeout=60).status_code == 200

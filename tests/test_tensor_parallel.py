@@ -29,12 +29,14 @@ def generate_tight(llm: LLM, prompts: list[Any], num_tokens: int) -> list[list[i
     return [o.outputs[0].token_ids for o in outs]
 
 
-def close_without_leaks(llm: LLM) -> None:
+def close_without_leaks(llm: LLM, threads: int) -> None:
+    """Close: every worker exits 0, none is left, and this process has its torch threads back."""
     workers = llm.engine.runner.group.workers
     assert_idle(llm.engine)
     llm.engine.close()
     assert [p.exitcode for p in workers] == [0] * len(workers)
     assert multiprocessing.active_children() == []
+    assert torch.get_num_threads() == threads
 
 
 def test_tp2_on_the_default_model_is_refused_naming_the_head_counts() -> None:
@@ -47,12 +49,13 @@ def test_tp2_on_the_default_model_is_refused_naming_the_head_counts() -> None:
 def test_tp3_default_model_equals_tp1(llm: LLM) -> None:
     prompts = [LONG_PROMPT[:200], "The capital of France is", "Write a haiku about the sea:"]
     reference = generate_tight(llm, prompts, 16)  # TP=1, unchunked: the kernels are batch-invariant
+    threads = torch.get_num_threads()
     tp = LLM(tensor_parallel_size=3, num_kv_blocks=6, max_model_len=96, **TIGHT)
     assert tp.engine.model_config.num_attention_heads == 9  # the engine sees the whole model ...
     assert tp.engine.runner.model.config.num_attention_heads == 3  # ... rank 0 holds 3 heads, 1 KV head
     assert generate_tight(tp, prompts, 16) == reference
     assert tp.engine.scheduler.num_preemptions > 0
-    close_without_leaks(tp)
+    close_without_leaks(tp, threads)
 
 
 # -- a small random Llama: 8 query heads, 2 KV heads ----------------------------------------------------
@@ -92,13 +95,14 @@ def tiny_reference(tiny_llama: Path) -> tuple[list[list[int]], str]:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_tp_small_llama_equals_tp1(size: int, tiny_llama: Path, tiny_reference: tuple[list[list[int]], str]) -> None:
+    threads = torch.get_num_threads()
     tp = LLM(model=str(tiny_llama), tensor_parallel_size=size, num_kv_blocks=9, **TIGHT)
     # TP=2: 4 query heads and 1 KV head per rank; TP=4: 2 query heads and a copy of one of the 2 KV heads.
     assert (tp.engine.runner.model.config.num_attention_heads, tp.engine.runner.model.config.num_key_value_heads) \
         == (8 // size, 1)
     assert generate_tight(tp, TINY_PROMPTS, 20) == tiny_reference[0]
     assert tp.engine.scheduler.num_preemptions > 0
-    close_without_leaks(tp)
+    close_without_leaks(tp, threads)
 
 
 def test_a_dying_worker_ends_the_engine_with_a_clear_error(tiny_llama: Path) -> None:
