@@ -40,6 +40,9 @@ class EngineConfig:
     model: str | None = _flag("GGUF file or Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)", None)
     dtype: str = _flag("weights and KV cache dtype", "auto", ("auto", "float32", "bfloat16", "float16"))
     device: str = _flag("where the model runs", "auto", ("auto", "cpu", "cuda"))
+    quantization: str = _flag("weights: gguf keeps a GGUF file's quantized blocks, int8/int4 quantize at load, "
+                              "none dequantizes; auto: gguf for a GGUF file on the CPU, else none", "auto",
+                              ("auto", "none", "gguf", "int8", "int4"))
     max_model_len: int | None = _flag("longest prompt + output (default: the model's context length)", None)
     block_size: int = _flag("tokens per KV-cache block", 16)
     num_kv_blocks: int | None = _flag("size the KV pool by blocks (overrides --kv-cache-memory)", None)
@@ -90,6 +93,16 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
         return torch.device(self.device)
+
+    def weight_quantization(self, is_gguf: bool) -> str:
+        """The quantization the weights load with: `quantization` with auto resolved (a GGUF file keeps
+        its quantization on the CPU, like llama.cpp; CUDA has no quantized kernels here: dequantize)."""
+        if self.quantization == "auto":
+            return "gguf" if is_gguf and self.torch_device.type == "cpu" else "none"
+        if self.quantization == "gguf" and not is_gguf:
+            raise ValueError("quantization='gguf' needs a GGUF file; this is a Hugging Face checkpoint "
+                             "(use int8 or int4 to quantize it at load)")
+        return self.quantization
 
     @property
     def torch_dtype(self) -> "torch.dtype":

@@ -52,9 +52,10 @@ def load_shard(config: EngineConfig, path: Path, group: TensorParallelGroup,
                device: torch.device) -> tuple[ModelConfig, LlamaForCausalLM]:
     """The whole model's config, and this rank's shard of the model (its config is the shard's)."""
     dtype, n = config.torch_dtype, group.world_size
-    full, weights = load_checkpoint(path, dtype)
+    quantization = config.weight_quantization(path.is_file())  # a GGUF's blocks are cut as they are
+    full, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
     model = LlamaForCausalLM.from_weights(shard_config(full, n), shard_weights(weights, full, group.rank, n),
-                                          device, dtype)
+                                          device, dtype, quantization)
     make_row_parallel(model, group)
     return full, model
 

@@ -48,11 +48,13 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=2)
-def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[ModelConfig, LlamaForCausalLM]:
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+               ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Engines in one process (a benchmark comparing schedulers, a test suite) share read-only
     weights: the KV cache and all state are per engine."""
-    model_config, weights = load_checkpoint(path, dtype)  # decoded straight into the model's dtype
-    return model_config, LlamaForCausalLM.from_weights(model_config, weights, device, dtype)
+    # Decoded straight into the model's dtype, or kept quantized.
+    model_config, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
+    return model_config, LlamaForCausalLM.from_weights(model_config, weights, device, dtype, quantization)
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -89,7 +91,7 @@ def load_parts(config: EngineConfig) -> ModelParts:
 
             model_config, model, group = start_tensor_parallel(config, path)
         else:
-            model_config, model = load_model(path, device, dtype)
+            model_config, model = load_model(path, device, dtype, config.weight_quantization(path.is_file()))
     with timed(phases, "tokenizer"):
         tokenizer = get_tokenizer(path, model_config)
     num_blocks = num_kv_blocks(config, model.config, dtype)  # the rank's shard of the KV heads
