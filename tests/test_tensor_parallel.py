@@ -50,12 +50,35 @@ def test_tp3_default_model_equals_tp1(llm: LLM) -> None:
     prompts = [LONG_PROMPT[:200], "The capital of France is", "Write a haiku about the sea:"]
     reference = generate_tight(llm, prompts, 16)  # TP=1, unchunked: the kernels are batch-invariant
     threads = torch.get_num_threads()
-    tp = LLM(tensor_parallel_size=3, num_kv_blocks=6, max_model_len=96, **TIGHT)
+    # Dequantized, as the reference `llm`: float32 shards sum to TP=1's numbers up to rounding. (Kept
+    # quantized, the shards are the file's blocks exactly (test below), but each rank re-quantizes its
+    # activations per 32 k after the all_reduce, which turns a last-bit difference into a different int8
+    # now and then: greedy outputs agree on a few tokens, then may part.)
+    tp = LLM(tensor_parallel_size=3, num_kv_blocks=6, max_model_len=96, quantization="none", **TIGHT)
     assert tp.engine.model_config.num_attention_heads == 9  # the engine sees the whole model ...
     assert tp.engine.runner.model.config.num_attention_heads == 3  # ... rank 0 holds 3 heads, 1 KV head
     assert generate_tight(tp, prompts, 16) == reference
     assert tp.engine.scheduler.num_preemptions > 0
     close_without_leaks(tp, threads)
+
+
+def test_quantized_shards_are_the_blocks_of_the_whole(default_model_path: Path) -> None:
+    """A GGUF's quantized weights cut with narrow (rows, or columns at block boundaries) dequantize to
+    the same slice of the dequantized whole, for every rank at TP=3."""
+    from minivllm.distributed.sharding import ShardPlan, shard_weights
+    from minivllm.model.loader import load_checkpoint
+    from minivllm.model.quant import QuantizedTensor
+
+    config, weights = load_checkpoint(default_model_path, torch.float32, keep_quantized=True)
+    whole = {name: t for name, t in weights if ".layers.0." in name or ".layers.29." in name}
+    for rank in range(3):
+        cuts = ShardPlan.of(config, rank, 3).cuts()
+        shards = dict(shard_weights(whole.items(), config, rank, 3))
+        quantized = [name for name, t in whole.items() if isinstance(t, QuantizedTensor)]
+        assert len(quantized) == 14
+        for name in quantized:
+            dim, (start, length) = cuts[name.split(".")[-2]]
+            assert torch.equal(shards[name].dequantize(), whole[name].dequantize().narrow(dim, start, length)), name
 
 
 # -- a small random Llama: 8 query heads, 2 KV heads ----------------------------------------------------

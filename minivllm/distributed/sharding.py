@@ -46,6 +46,12 @@ class ShardPlan:
         mlp = config.intermediate_size // world_size
         return cls((rank * q_heads * d, q_heads * d), (kv_first * d, kv_heads * d), (rank * mlp, mlp))
 
+    def cuts(self) -> dict[str, tuple[int, tuple[int, int]]]:
+        """Projection name -> (the dimension it is cut along, (start, length))."""
+        return {"q_proj": (0, self.q_rows), "k_proj": (0, self.kv_rows), "v_proj": (0, self.kv_rows),
+                "gate_proj": (0, self.mlp_rows), "up_proj": (0, self.mlp_rows),
+                "o_proj": (1, self.q_rows), "down_proj": (1, self.mlp_rows)}
+
 
 def check_divisible(config: ModelConfig, world_size: int) -> None:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -74,10 +80,7 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, rank: int,
                   world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The loader's stream with every column- and row-parallel tensor cut to `rank`'s slice."""
-    plan = ShardPlan.of(config, rank, world_size)
-    cuts = {"q_proj": (0, plan.q_rows), "k_proj": (0, plan.kv_rows), "v_proj": (0, plan.kv_rows),
-            "gate_proj": (0, plan.mlp_rows), "up_proj": (0, plan.mlp_rows),
-            "o_proj": (1, plan.q_rows), "down_proj": (1, plan.mlp_rows)}
+    cuts = ShardPlan.of(config, rank, world_size).cuts()
     for name, tensor in weights:
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if module in cuts:
@@ -100,7 +103,10 @@ class RowParallel(nn.Module):
 
 
 def make_row_parallel(model: nn.Module, group) -> None:
-    """Wrap every layer's o_proj and down_proj (the model file stays single-rank)."""
+    """Wrap every layer's o_proj and down_proj (the model file stays single-rank). The native layer
+    loop (native_forward.py) runs all layers in one C call with no all_reduce between them, so a
+    rank runs llama.py's Python loop over the same kernels instead."""
+    model.native_forward = None
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
