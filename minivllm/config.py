@@ -61,11 +61,13 @@ class EngineConfig:
     enable_prefix_caching: bool = _flag("reuse KV blocks of identical prompt prefixes", True)
     watermark: float = _flag("share of KV blocks kept free when admitting a prompt", 0.01)
     seed: int = _flag("seed of unseeded random sampling", 0)
+    tensor_parallel_size: int = _flag("ranks that split every layer (torch.distributed: gloo on CPU, NCCL on "
+                                      "CUDA); workers are spawned here, or started by torchrun", 1)
     trace_file: str | None = _flag("write a per-step CSV trace here (and a Chrome trace .json beside it)", None)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size",
-                     "max_num_partial_prefills"):
+                     "max_num_partial_prefills", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
