@@ -103,6 +103,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        from minivllm.router.replicas import serve_data_parallel
+
+        serve_data_parallel(args.argv[args.argv.index("serve") + 1:], args.data_parallel_size, args.host, args.port, **router_options(args))
+        return
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model.loader import resolve_model_path
     from minivllm.server import ServerOptions, serve
@@ -117,11 +124,33 @@ def cmd_serve(args: argparse.Namespace) -> None:
                             args.enable_auto_tool_choice, args.tool_call_parser)
     engine = LLMEngine(config)
     engine.warm_up()
-    with timed(engine.startup_time, "chat_template"):  # transformers renders it: import it now, not on a request
-        engine.tokenizer.hf
+    with timed(engine.startup_time, "chat_template"):  # read and compiled now, not on the first request
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=options.chat_template)
     if imported is not None:
         engine.startup_time = {"import": imported, **engine.startup_time}
     serve(engine, options, args.host, args.port)
+
+
+def router_options(args: argparse.Namespace) -> dict:
+    return {"routing_policy": args.routing_policy, "health_check_interval": args.health_check_interval,
+            "health_check_timeout": args.health_check_timeout}
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    from minivllm.router.policies import ROUTING_POLICIES
+
+    parser.add_argument("--routing-policy", default="prefix-aware", choices=list(ROUTING_POLICIES),
+                        help="which replica takes a request (default: prefix-aware, with a load bound)")
+    parser.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between health checks")
+    parser.add_argument("--health-check-timeout", type=float, default=5.0,
+                        help="a replica that does not answer /health (or a connection) in this many seconds "
+                             "leaves the rotation")
+
+
+def cmd_router(args: argparse.Namespace) -> None:
+    from minivllm.router.server import RouterOptions, run_router
+
+    run_router(RouterOptions(args.backend, **router_options(args)), args.host, args.port)
 
 
 def cmd_view(args: argparse.Namespace) -> None:
@@ -168,8 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read out of the model's text (hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (processes), each on its own loopback port, behind one router here")
+    add_router_args(p)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("router", help="an OpenAI-compatible router in front of `minivllm serve` replicas")
+    p.add_argument("--backend", action="append", required=True, metavar="URL",
+                   help="a replica's base URL, e.g. http://host:8000 (repeat for each)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
+    add_router_args(p)
+    p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("view", help="replay step traces in the dashboard, side by side")
     p.add_argument("traces", nargs="+", metavar="TRACE",
@@ -185,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --data-parallel-size` passes it on
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

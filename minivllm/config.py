@@ -41,6 +41,9 @@ class EngineConfig:
     model: str | None = _flag("GGUF file or Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)", None)
     dtype: str = _flag("weights and KV cache dtype", "auto", ("auto", "float32", "bfloat16", "float16"))
     device: str = _flag("where the model runs", "auto", ("auto", "cpu", "cuda"))
+    quantization: str = _flag("weights: gguf keeps a GGUF file's quantized blocks, int8/int4 quantize at load, "
+                              "none dequantizes; auto: gguf for a GGUF file on the CPU, else none", "auto",
+                              ("auto", "none", "gguf", "int8", "int4"))
     max_model_len: int | None = _flag("longest prompt + output (default: the model's context length)", None)
     block_size: int = _flag("tokens per KV-cache block", 16)
     num_kv_blocks: int | None = _flag("size the KV pool by blocks (overrides --kv-cache-memory)", None)
@@ -61,11 +64,13 @@ class EngineConfig:
     enable_prefix_caching: bool = _flag("reuse KV blocks of identical prompt prefixes", True)
     watermark: float = _flag("share of KV blocks kept free when admitting a prompt", 0.01)
     seed: int = _flag("seed of unseeded random sampling", 0)
+    tensor_parallel_size: int = _flag("ranks that split every layer (torch.distributed: gloo on CPU, NCCL on "
+                                      "CUDA); workers are spawned here, or started by torchrun", 1)
     trace_file: str | None = _flag("write a per-step CSV trace here (and a Chrome trace .json beside it)", None)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size",
-                     "max_num_partial_prefills"):
+                     "max_num_partial_prefills", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -91,6 +96,16 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
         return torch.device(self.device)
+
+    def weight_quantization(self, is_gguf: bool) -> str:
+        """The quantization the weights load with: `quantization` with auto resolved (a GGUF file keeps
+        its quantization on the CPU, like llama.cpp; CUDA has no quantized kernels here: dequantize)."""
+        if self.quantization == "auto":
+            return "gguf" if is_gguf and self.torch_device.type == "cpu" else "none"
+        if self.quantization == "gguf" and not is_gguf:
+            raise ValueError("quantization='gguf' needs a GGUF file; this is a Hugging Face checkpoint "
+                             "(use int8 or int4 to quantize it at load)")
+        return self.quantization
 
     @property
     def torch_dtype(self) -> "torch.dtype":

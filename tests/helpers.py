@@ -201,7 +201,7 @@ def encode_matrix(rng: np.random.Generator, rows: int, cols: int, kind: Any) -> 
         block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
         blocks = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
         scale = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
-        if kind.name == "Q4_K":  # d and dmin lead the block
+        if kind.name in ("Q4_K", "Q5_K"):  # d and dmin lead the block
             blocks[..., 0:2] = blocks[..., 2:4] = scale
         elif kind.name == "Q6_K":  # d ends the block
             blocks[..., -2:] = scale

@@ -27,7 +27,7 @@ SETTINGS = {
 
 @pytest.mark.parametrize("name", SETTINGS)
 def test_greedy_matches_hf_under_every_scheduler_setting(name: str, hf_greedy: Any) -> None:
-    llm = LLM(dtype="float32", **{"num_kv_blocks": 256, **SETTINGS[name]})
+    llm = LLM(dtype="float32", quantization="none", **{"num_kv_blocks": 256, **SETTINGS[name]})
     tok = llm.engine.tokenizer
     prompts = [tok.encode(p) for p in EQUALITY_PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False,

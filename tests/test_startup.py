@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import minivllm
 from tests.helpers import EQUALITY_PROMPTS, LONG_PROMPT
 
 MULTILINGUAL = EQUALITY_PROMPTS[1:5] + [

@@ -75,7 +75,7 @@ def cmd_latency(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.bench.metrics import parse_goodput, serving_metrics
     from minivllm.bench.report import serving_text
-    from minivllm.bench.serve import ServeTarget, run_benchmark, served_model
+    from minivllm.bench.serve import ServeTarget, prefix_cache_counts, run_benchmark, served_model
 
     slos = parse_goodput(args.goodput or [])
     percentiles = [int(p) if p.is_integer() else p for p in map(float, args.metric_percentiles.split(","))]
@@ -88,15 +88,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
     requests = with_arrivals(build_workload(spec, tokenizer, rng), args.request_rate, args.burstiness, rng)
     print(f"Traffic request rate: {args.request_rate}, burstiness: {args.burstiness}, "
           f"max concurrency: {args.max_concurrency}", flush=True)
+    before = prefix_cache_counts(base_url)
     records, duration = asyncio.run(run_benchmark(target, requests, tokenizer, args.max_concurrency,
                                                   not args.disable_tqdm))
+    after = prefix_cache_counts(base_url)
     metrics = serving_metrics(records, duration, percentiles, slos)
     print(serving_text(metrics))
+    prefix_hit_rate = None
+    if before is not None and after is not None and after[1] > before[1]:
+        prefix_hit_rate = (after[0] - before[0]) / (after[1] - before[1])
+        print(f"Prefix cache hit rate (server side, prompt tokens, all replicas): {prefix_hit_rate:.1%}")
     for r in records:
         if not r.success:
             print(f"failed request: {r.error}", file=sys.stderr)
     write_json(args.output_json, {"workload": spec, "base_url": base_url, "model": target.model, "goodput": slos,
-                                  "metrics": asdict(metrics), "requests": requests_as_dicts(requests),
+                                  "metrics": asdict(metrics), "prefix_cache_hit_rate": prefix_hit_rate, "requests": requests_as_dicts(requests),
                                   "records": [asdict(r) for r in records]})
 
 
@@ -260,11 +266,12 @@ def cmd_startup(args: argparse.Namespace) -> None:
 
 
 def cmd_kernels(args: argparse.Namespace) -> None:
-    from minivllm.bench.kernels import decode_attention, format_timings, layer_op_timings, linears, prefill_attention
+    from minivllm.bench.kernels import (decode_attention, format_timings, layer_op_timings, linears,
+                                        prefill_attention, quantized_linears)
     from minivllm.model.loader import load_checkpoint, resolve_model_path
 
     model_config, _ = load_checkpoint(resolve_model_path(args.model))
-    timings = [*linears(model_config, args.rows),
+    timings = [*linears(model_config, args.rows), *quantized_linears(model_config, args.rows),
                *(decode_attention(model_config, n, args.context, kv_cache_dtype=kv)
                  for kv in args.kv_cache_dtype for n in args.num_seqs),
                *(prefill_attention(model_config, n, kv_cache_dtype=kv)

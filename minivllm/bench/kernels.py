@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from minivllm.bench.roofline import best_time, model_gemms
 from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes, paged_attention
-from minivllm.model.kernels import attention_kernel, gemm, layer_ops
+from minivllm.model import quant
+from minivllm.model.kernels import attention_kernel, gemm, layer_ops, quant_gemm
 from minivllm.model.kv_cache import KVCache, allocate_kv_caches, kv_bytes_per_token, kv_format, quantize
 from minivllm.model.llama import RMSNorm, apply_rotary
 from minivllm.model.loader import ModelConfig
@@ -63,6 +64,32 @@ def _caches(config: ModelConfig, num_blocks: int, block_size: int, kv_cache_dtyp
         for scales in (cache.k_scale, cache.v_scale) if fmt.quantized else ():
             scales.uniform_(0.01, 0.02)
     return caches
+
+
+def quantized_linears(config: ModelConfig, rows: list[int]) -> list[KernelTiming]:
+    """The same GEMMs on 4-bit weights (the default file's Q4_1 layout) with the quantized kernel, against
+    the bf16 GEMM on the same weights dequantized: the bound of any dequantize-in-registers kernel,
+    which would do that GEMM's work plus the dequantization."""
+    body, _ = model_gemms(config)
+    shapes = [(s.out_features, s.in_features) for s in body for _ in range(s.count)]
+    kernel, bf16 = quant_gemm(CPU, BF16), gemm(CPU, BF16, shapes[0][1])
+    if kernel is None or bf16 is None:
+        return []
+    weights = [quant.QuantizedTensor(torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                                     (torch.rand(n, k // 32) * 0.01).half(), (torch.rand(n, k // 32) * -0.01).half(), 4)
+               for n, k in shapes]
+    packed = [kernel.pack(w) for w in weights]
+    dense = [bf16.pack(w.dequantize(BF16), None)[0] for w in weights]
+    nbytes = sum(p.numel() for p in packed)
+    out = []
+    for n in rows:
+        xs = {k: torch.randn(n, k, dtype=BF16) for _, k in shapes}
+        plain = best_time(lambda: [bf16.forward(xs[k], p, None, m) for (m, k), p in zip(shapes, dense)], CPU)
+        fast = best_time(lambda: [kernel.forward(xs[k], p, 4, 1, None, m) for (m, k), p in zip(shapes, packed)], CPU)
+        out.append(KernelTiming(f"{len(shapes)} layer GEMMs x {n} rows, 4-bit", plain * 1e3, fast * 1e3,
+                                f"torch column: the bf16 GEMM on dequantized weights; 4-bit weights read at "
+                                f"{nbytes / fast / 1e9:.1f} GB/s"))
+    return out
 
 
 def _time_attention(config: ModelConfig, caches: list[KVCache], meta: AttentionMetadata,

@@ -1,7 +1,9 @@
 """`minivllm bench latency`: one batch, as vLLM's `bench latency` runs it: --batch-size prompts of
 --input-len tokens each generate --output-len tokens, all started together. Reports the batch's
 latency and, once every prompt is in, the decode step: its time at this batch size and context, and
-the engine's own split of it (schedule, input preparation, forward, sampling, update)."""
+the engine's own split of it (schedule, input preparation, forward, sampling, update); with
+--tensor-parallel-size, also the share of rank 0's all_reduces (in the forward) and of sending each
+step's inputs to the workers (in the preparation)."""
 from __future__ import annotations
 
 import time
@@ -43,6 +45,7 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     latencies, decode_seconds, decode_steps = [], 0.0, 0
+    group = getattr(engine.runner, "group", None)  # tensor parallel: rank 0's TensorParallelGroup
     for i in range(num_iters_warmup + num_iters):
         # Random token ids, fresh each iteration so that the prefix cache cannot serve them.
         prompts = rng.integers(1000, engine.model_config.vocab_size - 1000, size=(batch_size, input_len)).tolist()
@@ -54,6 +57,8 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
         measured = i >= num_iters_warmup
         if measured:
             engine.reset_step_time()
+            if group is not None:
+                group.all_reduce_time = group.send_time = 0.0
         decode_start, steps = time.perf_counter(), 0
         while engine.has_unfinished_requests():
             engine.step()
@@ -63,6 +68,10 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
             decode_seconds += time.perf_counter() - decode_start
             decode_steps += steps
     shares = engine.step_time_breakdown()
+    if group is not None:  # rank 0's waits inside the forward and the input preparation, of the step time
+        step_seconds = sum(engine.step_time.values()) or 1.0
+        shares |= {"of which all_reduce": group.all_reduce_time / step_seconds,
+                   "of which step broadcast": group.send_time / step_seconds}
     engine.close()
     return LatencyResult(batch_size, input_len, output_len, latencies,
                          1000 * decode_seconds / max(decode_steps, 1), decode_steps, shares)

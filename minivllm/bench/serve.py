@@ -43,6 +43,24 @@ def served_model(base_url: str, api_key: str | None) -> str:
         raise ValueError(f"cannot list the models of {base_url} ({e}); pass --served-model-name") from None
 
 
+def prefix_cache_counts(base_url: str) -> tuple[float, float] | None:
+    """(hits, queries) in prompt tokens, summed over every sample of /metrics: one server's, or a
+    router's replicas'; None where the server exports no such counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("minivllm:prefix_cache_hits", "minivllm:prefix_cache_queries"):
+            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    if len(totals) < 2:
+        return None
+    return totals["minivllm:prefix_cache_hits"], totals["minivllm:prefix_cache_queries"]
+
+
 def _payload(target: ServeTarget, req: BenchRequest, max_tokens: int) -> dict:
     return {"model": target.model, "prompt": req.prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}

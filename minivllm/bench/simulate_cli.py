@@ -84,7 +84,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     cost = _cost_model(args)
     modeled = cost.modeled
     print(f"Cost model: {cost.label}", file=sys.stderr)
-    overrides = {"seed": args.seed, "kv_cache_memory": args.kv_cache_memory or "1GiB"}
+    # --tensor-parallel-size is the modeled GPUs' (the cost model's); the engine here is one rank.
+    overrides = {"seed": args.seed, "kv_cache_memory": args.kv_cache_memory or "1GiB", "tensor_parallel_size": 1}
     if modeled:  # the GPU's dtype, and a KV pool of what the GPU has left after the weights
         overrides.update(dtype="bfloat16", model=None,
                          kv_cache_memory=args.kv_cache_memory or str(cost.kv_cache_memory()))
@@ -191,7 +192,7 @@ def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", default=None, help="plots and results.json (and step traces with --trace)")
     p.add_argument("--trace", action="store_true", help="write each engine's step trace to --output-dir")
     _output_args(p)
-    EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file"))
+    EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file", "tensor_parallel_size"))
     p.set_defaults(func=cmd_simulate, with_hf=False, kv_cache_memory=None)
 
     p = bench_sub.add_parser("calibrate", help="time engine steps on this machine and model; write the "

@@ -48,11 +48,13 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=2)
-def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[ModelConfig, LlamaForCausalLM]:
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+               ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Engines in one process (a benchmark comparing schedulers, a test suite) share read-only
     weights: the KV cache and all state are per engine."""
-    model_config, weights = load_checkpoint(path, dtype)  # decoded straight into the model's dtype
-    return model_config, LlamaForCausalLM.from_weights(model_config, weights, device, dtype)
+    # Decoded straight into the model's dtype, or kept quantized.
+    model_config, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
+    return model_config, LlamaForCausalLM.from_weights(model_config, weights, device, dtype, quantization)
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -73,6 +75,7 @@ class ModelParts:
     sampler: Any
     num_blocks: int
     startup_time: dict[str, float] = field(default_factory=dict)  # seconds per phase of loading them
+    release: Callable[[], None] | None = None  # what close() must stop (tensor-parallel workers)
 
 
 def load_parts(config: EngineConfig) -> ModelParts:
@@ -82,14 +85,26 @@ def load_parts(config: EngineConfig) -> ModelParts:
     phases: dict[str, float] = {}
     with timed(phases, "kernels"):  # compiled on a cold cache, else loaded
         layer_ops(device, dtype)
+    group = None
     with timed(phases, "weights"):
-        model_config, model = load_model(path, device, dtype)
+        if config.tensor_parallel_size > 1:  # rank 0: its shard; the workers start and load theirs
+            from minivllm.distributed.worker import start_tensor_parallel
+
+            model_config, model, group = start_tensor_parallel(config, path)
+        else:
+            model_config, model = load_model(path, device, dtype, config.weight_quantization(path.is_file()))
     with timed(phases, "tokenizer"):
         tokenizer = get_tokenizer(path, model_config)
-    num_blocks = num_kv_blocks(config, model_config, dtype)
+    num_blocks = num_kv_blocks(config, model.config, dtype)  # the rank's shard of the KV heads
     with timed(phases, "kv_pool"):
-        runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
-    return ModelParts(model_config, tokenizer, runner, Sampler(device, config.seed), num_blocks, phases)
+        if group is None:
+            runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
+        else:
+            from minivllm.distributed.worker import DriverRunner
+
+            runner = DriverRunner(group, model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
+    return ModelParts(model_config, tokenizer, runner, Sampler(device, config.seed), num_blocks, phases,
+                      release=runner.close if group is not None else None)
 
 
 class LLMEngine:
@@ -102,6 +117,7 @@ class LLMEngine:
         self.startup_time = dict(parts.startup_time)  # seconds per start-up phase (a shared model's load is free)
         self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
         self.runner, self.sampler, num_blocks = parts.runner, parts.sampler, parts.num_blocks
+        self._release = parts.release
         self.max_model_len = self._max_model_len(num_blocks)
 
         static = config.scheduler == "static"
@@ -401,7 +417,10 @@ class LLMEngine:
             self.tracer.flush()
 
     def close(self) -> None:
-        """Write out the trace, if one is kept; stop the grammar compiler."""
+        """Write out the trace, if one is kept; stop the grammar compiler and tensor-parallel workers."""
+        if self._release is not None:
+            self._release()
+            self._release = None
         if self._structured_output is not None:
             self._structured_output.close()
         if self.tracer:

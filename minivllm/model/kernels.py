@@ -32,6 +32,7 @@ import torch
 
 from minivllm.config import cache_dir
 from minivllm.model.kv_cache import KVCache, KVFormat, kv_format
+from minivllm.model.quant import QuantizedTensor, pack, padded_bias
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
@@ -94,6 +95,14 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"silu_and_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
     if hasattr(lib, "pack_panels"):  # AVX-512
         lib.pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
+    for suffix in _DTYPE_SUFFIX.values():
+        if hasattr(lib, f"qgemm_{suffix}"):  # AVX512-VNNI (and -BF16 for bf16)
+            getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int, _PTR, _PTR,
+                                                        _I64, _I64, _I64, _I64]
+        lib.pack_quantized.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR]
+        getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, ctypes.c_int, _I64, _PTR, _I64, _PTR]
+        if hasattr(lib, f"forward_layers_{suffix}"):
+            getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
     return lib
 
 
@@ -161,11 +170,7 @@ class Gemm:
         words = weight.contiguous().view(torch.int32)  # bf16: pairs of k in one 32-bit word, for vdpbf16ps
         packed = torch.empty(padded * words.shape[1], dtype=torch.int32)
         self._pack(words.data_ptr(), packed.data_ptr(), n, words.shape[1])
-        padded_bias = None
-        if bias is not None:
-            padded_bias = torch.zeros(padded, dtype=torch.float32)
-            padded_bias[:n] = bias.float()
-        return packed, padded_bias
+        return packed, padded_bias(bias, n, PANEL)
 
     def forward(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         if x.stride(-1) != 1:
@@ -182,6 +187,54 @@ def gemm(device: torch.device, dtype: torch.dtype, in_features: int) -> Gemm | N
         return None
     lib = _library()
     return Gemm(lib, dtype) if lib is not None and hasattr(lib, f"gemm_{_DTYPE_SUFFIX[dtype]}") else None
+
+
+class QuantGemm:
+    """The batch-invariant linear of csrc/quant_gemm.c on quantized weights (quant.py) for one activation
+    dtype: rows quantized to int8 per 32 k, integer dot products per group, float32 sums in k order."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        suffix = _DTYPE_SUFFIX[dtype]
+        self._gemm, self._rows = getattr(lib, f"qgemm_{suffix}"), getattr(lib, f"qrows_{suffix}")
+        self._pack = lib.pack_quantized
+        self.dtype = dtype
+
+    def pack(self, t: QuantizedTensor) -> torch.Tensor:
+        """The weight in this kernel's packed layout (quant.pack)."""
+        return pack(t, self._pack)
+
+    def forward(self, x: torch.Tensor, packed: torch.Tensor, bits: int, sub: int, bias: torch.Tensor | None,
+                n: int) -> torch.Tensor:
+        """x [rows, k] @ W^T (+ float32 bias padded to whole panels)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), bits, sub,
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), n, x.shape[0], n, x.shape[1])
+        return out
+
+    def rows(self, packed: torch.Tensor, bits: int, sub: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized: an embedding lookup in a quantized table."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], k, dtype=self.dtype)
+        self._rows(packed.data_ptr(), bits, sub, k, ids.data_ptr(), ids.shape[0], out.data_ptr())
+        return out
+
+
+def quant_gemm(device: torch.device, dtype: torch.dtype) -> QuantGemm | None:
+    """The native quantized linear for this device and activation dtype, or None (the torch twin)."""
+    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX:
+        return None
+    lib = _library()
+    return QuantGemm(lib, dtype) if lib is not None and hasattr(lib, f"qgemm_{_DTYPE_SUFFIX[dtype]}") else None
+
+
+def forward_layers(device: torch.device, dtype: torch.dtype):
+    """csrc/forward.c's layer loop for this device and dtype (native_forward.py drives it), or None."""
+    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX:
+        return None
+    lib = _library()
+    return None if lib is None else getattr(lib, f"forward_layers_{_DTYPE_SUFFIX[dtype]}", None)
 
 
 class LayerOps:
@@ -221,8 +274,12 @@ class LayerOps:
         if not fmt.quantized:
             self._write_kv(*args)
             return
-        write = getattr(self._lib, f"write_kv_{self._suffix}_{fmt.name}")
-        write(*args, cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), 1.0 / fmt.qmax, fmt.qmax)
+        self.quantized_write_kv(fmt)(*args, cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), 1.0 / fmt.qmax,
+                                     fmt.qmax)
+
+    def quantized_write_kv(self, fmt: KVFormat):
+        """csrc/layer_ops.c's write_kv into a pool of this quantized format."""
+        return getattr(self._lib, f"write_kv_{self._suffix}_{fmt.name}")
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)

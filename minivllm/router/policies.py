@@ -16,6 +16,7 @@ class ReplicaLoad:
     name: str  # a URL, or "replica-3" in the simulator
     outstanding_tokens: int = 0  # prompt + max output tokens of the requests sent and not finished
     outstanding_requests: int = 0
+    up: bool = True  # False: out of rotation (the HTTP router's health checks); policies skip it
 
 
 @dataclass
@@ -45,13 +46,23 @@ class RoundRobin(RoutingPolicy):
         self.next = 0
 
     def choose(self, request: Routed, replicas: list[ReplicaLoad]) -> int:
-        i, self.next = self.next % len(replicas), self.next + 1
-        return i
+        for _ in range(len(replicas)):
+            i, self.next = self.next % len(replicas), self.next + 1
+            if replicas[i].up:
+                return i
+        raise NoReplicaError("no replica is up")
+
+
+class NoReplicaError(RuntimeError):
+    pass
 
 
 def least_loaded(replicas: list[ReplicaLoad]) -> int:
-    """Fewest outstanding tokens; on a tie the lowest index."""
-    return min(range(len(replicas)), key=lambda i: (replicas[i].outstanding_tokens, i))
+    """Fewest outstanding tokens among the replicas up; on a tie the lowest index."""
+    up = [i for i, r in enumerate(replicas) if r.up]
+    if not up:
+        raise NoReplicaError("no replica is up")
+    return min(up, key=lambda i: (replicas[i].outstanding_tokens, i))
 
 
 class LeastOutstandingTokens(RoutingPolicy):
@@ -89,7 +100,7 @@ class PrefixAware(RoutingPolicy):
             if h not in self.owner:
                 break
             match = self.owner[h]
-        if match is None:
+        if match is None or not replicas[match].up:
             return best
         bound = self.load_factor * replicas[best].outstanding_tokens + self.slack_tokens
         return match if replicas[match].outstanding_tokens <= bound else best
@@ -118,8 +129,11 @@ class Router:
             raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}; got {policy!r}")
         return cls(ROUTING_POLICIES[policy](**policy_args), [ReplicaLoad(n) for n in replica_names])
 
-    def route(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> int:
-        request = Routed(request_id, prompt_token_ids, len(prompt_token_ids) + max_tokens)
+    def route(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+              num_tokens: int | None = None) -> int:
+        """num_tokens: the load it brings, when prompt_token_ids are not tokens (the HTTP router's bytes)."""
+        request = Routed(request_id, prompt_token_ids,
+                         len(prompt_token_ids) + max_tokens if num_tokens is None else num_tokens)
         request.replica = self.policy.choose(request, self.replicas)
         load = self.replicas[request.replica]
         load.outstanding_tokens += request.num_tokens

@@ -695,7 +695,7 @@ class OpenAIServer:
             "owned_by": "minivllm", "max_model_len": self.engine.engine.max_model_len}]})
 
     async def completions(self, request: Request) -> Response:
-        body = _parse(CompletionRequest, await _read_body(request))
+        body = _parse(CompletionRequest, await read_body(request))
         self._check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix: fill-in-the-middle is not supported: the served model has no FIM "
@@ -711,7 +711,7 @@ class OpenAIServer:
                                                          ignored_fields(body)))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = _parse(ChatCompletionRequest, await _read_body(request))
+        body = _parse(ChatCompletionRequest, await read_body(request))
         self._check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -850,7 +850,7 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
     return list(prompt)
 
 
-async def _read_body(request: Request) -> bytes:
+async def read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large(int(declared))
@@ -915,6 +915,12 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     app.post("/v1/chat/completions", dependencies=v1)(server.chat_completions)
     add_routes(app, Dashboard(options.api_key, feed, title=options.served_model_name))
 
+    add_error_handlers(app)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape (the router's app uses them too)."""
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return e.response()
@@ -932,7 +938,11 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return APIError(500, f"internal server error: {e!r}", None, "internal_error").response()
 
-    return app
+
+def listening_url(server: uvicorn.Server) -> str:
+    """The address a started server listens on (the real port, with --port 0)."""
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class _Server(uvicorn.Server):
@@ -944,9 +954,7 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
         if self.started:  # the port is bound: now the address (and the real port, with --port 0) is known
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            host = f"[{host}]" if ":" in host else host
-            print(f"minivllm: serving {self.model_name} on http://{host}:{port}", flush=True)
+            print(f"minivllm: serving {self.model_name} on {listening_url(self)}", flush=True)
             self._print_ready()
 
     def _print_ready(self) -> None:

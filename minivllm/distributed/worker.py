@@ -1,0 +1,128 @@
+"""Driver and workers (vLLM's pattern): rank 0 holds the one scheduler, prepares each step's inputs,
+broadcasts them, runs its own shard and samples; every other rank runs the same forward on its shard,
+taking part in each layer's two all_reduces, and waits for the next step."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.distributed.group import (TensorParallelError, TensorParallelGroup, backend_for, join,
+                                        launched_by_torchrun, spawn_workers, torchrun_rank)
+from minivllm.distributed.sharding import check_divisible, make_row_parallel, shard_config, shard_weights
+from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.loader import ModelConfig, load_checkpoint
+from minivllm.model.runner import ModelRunner
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's runner: a step's inputs go to the workers before its own forward (so `prepare_time`
+    includes sending them). A failed collective ends the engine with TensorParallelError."""
+
+    def __init__(self, group: TensorParallelGroup, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def _prepare(self, output: SchedulerOutput):
+        inputs = super()._prepare(output)
+        input_ids, positions, meta, _ = inputs
+        self.group.send_step((input_ids, positions, dataclasses.replace(meta, kernel=None)))  # a C function
+        return inputs
+
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        if self.group.failed:
+            raise TensorParallelError("the tensor-parallel group failed earlier; the engine stopped")
+        try:
+            return super().execute(output)
+        except TensorParallelError:
+            raise
+        except RuntimeError as e:  # gloo: "Connection closed by peer", a timeout, ...
+            raise self.group.failure(e) from e
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def load_shard(config: EngineConfig, path: Path, group: TensorParallelGroup,
+               device: torch.device) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """The whole model's config, and this rank's shard of the model (its config is the shard's)."""
+    dtype, n = config.torch_dtype, group.world_size
+    quantization = config.weight_quantization(path.is_file())  # a GGUF's blocks are cut as they are
+    full, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
+    model = LlamaForCausalLM.from_weights(shard_config(full, n), shard_weights(weights, full, group.rank, n),
+                                          device, dtype, quantization)
+    make_row_parallel(model, group)
+    return full, model
+
+
+def start_tensor_parallel(config: EngineConfig, path: Path) -> tuple[ModelConfig, LlamaForCausalLM,
+                                                                     TensorParallelGroup]:
+    """Rank 0: join the group (spawning the workers, unless torchrun started them) and load its shard.
+    On a worker rank that torchrun started, serve steps until rank 0 stops, then exit the process."""
+    n = config.tensor_parallel_size
+    check_divisible(load_checkpoint(path)[0], n)  # before any process starts (the weights are not read)
+    backend = backend_for(config.torch_device)
+    if launched_by_torchrun():
+        group = join(torchrun_rank(n), n, backend)
+        if group.rank != 0:
+            serve_steps(config, path, group)
+            raise SystemExit(0)
+    else:
+        threads = share_cores(n)  # this process is rank 0: close() gives its threads back
+        workers, init_method = spawn_workers(n, _spawned_worker, (config, str(path)))
+        group = join(0, n, backend, init_method, workers)
+        group.num_threads_before = threads
+    full, model = load_shard(config, path, group, config.torch_device)
+    return full, model, group
+
+
+def _spawned_worker(rank: int, world_size: int, init_method: str, config: EngineConfig, path: str) -> None:
+    share_cores(world_size)
+    serve_steps(config, Path(path), join(rank, world_size, backend_for(config.torch_device), init_method))
+
+
+def share_cores(world_size: int) -> int:
+    """Ranks spawned on one host split its cores (oversubscribed, each rank's threads would spin
+    against the others' at every all_reduce); OMP_NUM_THREADS, if set, wins (torchrun sets 1).
+    Returns the thread count before."""
+    before = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    return before
+
+
+def serve_steps(config: EngineConfig, path: Path, group: TensorParallelGroup) -> None:
+    """A worker's life: load its shard and KV pool, run each step rank 0 sends, until it sends None."""
+    from minivllm.engine.llm_engine import num_kv_blocks
+
+    device = config.torch_device
+    if device.type == "cuda":  # one GPU per rank (NCCL; untested: the machine lent here has one GPU)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", group.rank)))
+        torch.cuda.set_device(device)
+    _, model = load_shard(config, path, group, device)
+    dtype = config.torch_dtype
+    runner = ModelRunner(model, num_kv_blocks(config, model.config, dtype), config.block_size, device, dtype,
+                         config.kv_cache_dtype)
+    with torch.inference_mode():
+        while (step := group.recv_step()) is not None:
+            input_ids, positions, meta = (_on(x, device) for x in step)
+            model(input_ids, positions, runner.kv_caches, dataclasses.replace(meta, kernel=runner.attention_kernel))
+    group.close()
+
+
+def _on(x: Any, device: torch.device) -> Any:
+    """A step input on this rank's device (a no-op on CPU; under NCCL, unpickled tensors land on
+    the sender's GPU index)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if dataclasses.is_dataclass(x):
+        return dataclasses.replace(x, **{f.name: _on(getattr(x, f.name), device) for f in dataclasses.fields(x)
+                                         if f.init})
+    if isinstance(x, list):
+        return [_on(v, device) for v in x]
+    return x

@@ -1,0 +1,127 @@
+/* The decoder's layer loop in C: the same native kernels the Python model calls, in the same order,
+ * without the per-layer Python between them.
+ *
+ * A decode step of one sequence does ~0.3 ms of arithmetic per layer on a small model but pays ~0.1 ms
+ * of Python per layer to launch its dozen kernels (ctypes calls, torch views and allocations); over 30
+ * layers the launches cost as much as the work. Here one call runs every layer: norms, the fused QKV
+ * projection, rotary, the KV write, paged attention, the output projection, the MLP. Each step calls
+ * exactly the functions of llama.py's native path with the same arguments, so the result is the same
+ * bits (tests/test_native_forward.py checks it); the Python loop stays as the readable reference.
+ * The KV pool's format (--kv-cache-dtype) picks the attention kernel and, for a quantized pool, the
+ * KV write: the model description carries both, as kernels.py chose them.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+typedef struct {
+    const void *weight;  /* gemm.c's float panels, or quant_gemm.c's packed blocks */
+    const float *bias;   /* float32, padded to whole panels, or NULL */
+    int64_t n, k;
+    int32_t bits;        /* 0: float panels (gemm_*); 4 or 8: quantized (qgemm_*) */
+    int32_t sub;
+} LinearDesc;
+
+typedef struct {
+    LinearDesc qkv, o, gate_up, down;
+    const void *input_norm, *post_norm;
+} LayerDesc;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size;
+    float eps, scale;
+    const LayerDesc *layers;
+    const void *final_norm;
+    const void *attention;       /* paged_attention_* for the pool's format */
+    const void *write_kv_quant;  /* write_kv_*_<format> for a quantized pool; NULL: write_kv_* */
+    float kv_inv_qmax, kv_qmax;  /* the quantized format's 1 / QMAX and QMAX */
+} ModelDesc;
+
+typedef struct {
+    int64_t tokens, real_tokens, spans, max_blocks;
+    const float *cos, *sin;
+    const int64_t *slot_blocks, *slot_offsets, *block_tables, *span_starts, *span_lens, *span_ctx0;
+    void *const *k_caches, *const *v_caches;  /* one per layer */
+    void *const *k_scales, *const *v_scales;  /* one per layer for a quantized pool, else NULL */
+} StepDesc;
+
+#define DECLARE_KERNELS(S, T, W)                                                                         \
+    void gemm_##S(const T *x, int64_t ldx, const W *w, const float *bias, T *out, int64_t ldo,          \
+                  int64_t M, int64_t N, int64_t K);                                                      \
+    void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int bits, int sub, const float *bias,      \
+                   T *out, int64_t ldo, int64_t M, int64_t N, int64_t K);                                \
+    void add_rms_norm_##S(const T *delta, T *residual, const T *weight, T *out, int64_t tokens,          \
+                          int64_t hidden, float eps);                                                    \
+    void rotary_##S(T *q, int64_t q_stride, T *k, int64_t k_stride, const float *cos, const float *sin, \
+                    int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim);                  \
+    void write_kv_##S(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *blocks, \
+                      const int64_t *offsets, int64_t tokens, int64_t kv_heads, int64_t head_dim,        \
+                      int64_t block_size, T *k_cache, T *v_cache);                                       \
+    void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter);                      \
+    /* The pool-format kernels, through ModelDesc (their pool pointers are the format's element type). */ \
+    typedef void (*attention_##S##_fn)(const T *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
+                                       const float *k_scale, const float *v_scale, const int64_t *block_tables, \
+                                       int64_t max_blocks, const int64_t *span_starts, const int64_t *span_lens, \
+                                       const int64_t *span_ctx0, int64_t spans, int64_t heads, int64_t kv_heads, \
+                                       int64_t head_dim, int64_t block_size, float scale, T *out);      \
+    typedef void (*write_kv_quant_##S##_fn)(const T *k, int64_t k_stride, const T *v, int64_t v_stride,   \
+                                            const int64_t *blocks, const int64_t *offsets, int64_t tokens, \
+                                            int64_t kv_heads, int64_t head_dim, int64_t block_size,      \
+                                            void *k_cache, void *v_cache, float *k_scale, float *v_scale, \
+                                            float inv_qmax, float qmax);
+
+#define DEFINE_FORWARD(S, T, W)                                                                          \
+DECLARE_KERNELS(S, T, W)                                                                                 \
+                                                                                                         \
+static void linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {                             \
+    if (l->bits)                                                                                         \
+        qgemm_##S(x, l->k, (const uint8_t *)l->weight, l->bits, l->sub, l->bias, out, l->n, M, l->n, l->k); \
+    else                                                                                                 \
+        gemm_##S(x, l->k, (const W *)l->weight, l->bias, out, l->n, M, l->n, l->k);                      \
+}                                                                                                        \
+                                                                                                         \
+/* residual [tokens, hidden]: the embeddings in, the residual stream after the last layer out;           \
+ * out [tokens, hidden]: the final norm's output (what llama.py's forward returns). */                   \
+void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *out) {                    \
+    const int64_t M = s->tokens, q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;   \
+    const int64_t qkv_width = q_size + 2 * kv_size;                                                      \
+    T *normed = malloc(sizeof(T) * M * m->hidden), *delta = malloc(sizeof(T) * M * m->hidden);          \
+    T *qkv = malloc(sizeof(T) * M * qkv_width), *attn = malloc(sizeof(T) * M * q_size);                 \
+    T *gate_up = malloc(sizeof(T) * M * 2 * m->inter), *act = malloc(sizeof(T) * M * m->inter);          \
+    for (int64_t i = 0; i < m->num_layers; i++) {                                                        \
+        const LayerDesc *L = &m->layers[i];                                                              \
+        void *kc = s->k_caches[i], *vc = s->v_caches[i];                                                 \
+        float *ks = s->k_scales ? (float *)s->k_scales[i] : NULL;                                        \
+        float *vs = s->v_scales ? (float *)s->v_scales[i] : NULL;                                        \
+        add_rms_norm_##S(i ? delta : NULL, residual, (const T *)L->input_norm, normed, M, m->hidden, m->eps); \
+        linear_##S(&L->qkv, normed, qkv, M);                                                             \
+        rotary_##S(qkv, qkv_width, qkv + q_size, qkv_width, s->cos, s->sin, M, m->heads, m->kv_heads,    \
+                   m->head_dim);                                                                         \
+        if (m->write_kv_quant)                                                                           \
+            ((write_kv_quant_##S##_fn)m->write_kv_quant)(qkv + q_size, qkv_width, qkv + q_size + kv_size, \
+                qkv_width, s->slot_blocks, s->slot_offsets, s->real_tokens, m->kv_heads, m->head_dim,    \
+                m->block_size, kc, vc, ks, vs, m->kv_inv_qmax, m->kv_qmax);                              \
+        else                                                                                             \
+            write_kv_##S(qkv + q_size, qkv_width, qkv + q_size + kv_size, qkv_width, s->slot_blocks,    \
+                         s->slot_offsets, s->real_tokens, m->kv_heads, m->head_dim, m->block_size,      \
+                         (T *)kc, (T *)vc);                                                              \
+        if (s->real_tokens < M) memset(attn, 0, sizeof(T) * M * q_size); /* padding attends to nothing */ \
+        ((attention_##S##_fn)m->attention)(qkv, qkv_width, kc, vc, ks, vs, s->block_tables, s->max_blocks, \
+                            s->span_starts, s->span_lens, s->span_ctx0, s->spans, m->heads, m->kv_heads, \
+                            m->head_dim, m->block_size, m->scale, attn);                                 \
+        linear_##S(&L->o, attn, delta, M);                                                               \
+        add_rms_norm_##S(delta, residual, (const T *)L->post_norm, normed, M, m->hidden, m->eps);        \
+        linear_##S(&L->gate_up, normed, gate_up, M);                                                     \
+        silu_and_mul_##S(gate_up, act, M, m->inter);                                                     \
+        linear_##S(&L->down, act, delta, M);                                                             \
+    }                                                                                                    \
+    add_rms_norm_##S(m->num_layers ? delta : NULL, residual, (const T *)m->final_norm, out, M, m->hidden, m->eps); \
+    free(normed); free(delta); free(qkv); free(attn); free(gate_up); free(act);                          \
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+DEFINE_FORWARD(f32, float, float)
+DEFINE_FORWARD(bf16, uint16_t, uint32_t)
+#endif

@@ -1,0 +1,103 @@
+"""The decoder's layer loop in one native call (csrc/forward.c), beside llama.py's Python loop.
+
+With every kernel native, a step still pays Python between them: a dozen launches per layer, each a
+few microseconds of ctypes, views and allocations; at one sequence on a 135M model that is as much
+time as the arithmetic. `NativeForward` describes the model once (weights, norms, shapes as C structs)
+and then runs all layers of a step in one call to the same kernels in the same order: the same bits
+as the Python loop, which stays the readable reference and the path for what this one does not cover
+(Qwen3's q/k norms, the torch twins).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from minivllm.model.attention import AttentionMetadata
+from minivllm.model.kv_cache import KVCache
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weight", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64), ("bits", ctypes.c_int32),
+                ("sub", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _PTR), ("post_norm", _PTR)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
+                                          "block_size")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", _PTR), ("attention", _PTR), ("write_kv_quant", _PTR), ("kv_inv_qmax", ctypes.c_float),
+        ("kv_qmax", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in ("tokens", "real_tokens", "spans", "max_blocks")] + [
+        (name, _PTR) for name in ("cos", "sin", "slot_blocks", "slot_offsets", "block_tables", "span_starts",
+                                  "span_lens", "span_ctx0", "k_caches", "v_caches", "k_scales", "v_scales")]
+
+
+def _linear(module) -> _Linear:
+    """A llama.Linear's native weight as the C side wants it (it must be on a native path)."""
+    if module.quantized is not None:
+        w = module.quantized
+        return _Linear(w.packed.data_ptr(), _ptr(module.quantized_bias), w.n, w.k, w.bits, w.sub)
+    packed, bias = module.packed
+    return _Linear(packed.data_ptr(), _ptr(bias), module.out_features, module.in_features, 0, 0)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _address(function) -> int | None:
+    return None if function is None else ctypes.cast(function, ctypes.c_void_p).value
+
+
+class NativeForward:
+    def __init__(self, model, function) -> None:
+        cfg = model.config
+        self._function = function
+        self._layers = (_Layer * len(model.layers))(*[
+            _Layer(_linear(l.self_attn.qkv_proj), _linear(l.self_attn.o_proj), _linear(l.mlp.gate_up_proj),
+                   _linear(l.mlp.down_proj), l.input_layernorm.weight.data_ptr(),
+                   l.post_attention_layernorm.weight.data_ptr()) for l in model.layers])
+        self._model = _Model(len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                             cfg.head_dim, cfg.intermediate_size, 0, model.norm.eps, cfg.head_dim ** -0.5,
+                             self._layers, model.norm.weight.data_ptr())
+        self._ops = model.layers[0].self_attn.ops if model.layers else None  # for a quantized pool's KV write
+        self._caches: tuple[list, list[ctypes.Array | None]] | None = None
+
+    def __call__(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        k_ptrs, v_ptrs, k_scales, v_scales = self._cache_pointers(kv_caches)
+        self._model.block_size = kv_caches[0].k.shape[3]
+        self._model.attention = _address(meta.kernel)  # the pool format's kernel (runner.attention_kernel)
+        cos, sin = rope
+        step = _Step(residual.shape[0], meta.num_real_tokens, meta.span_starts.shape[0], meta.block_tables.shape[1],
+                     cos.data_ptr(), sin.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
+                     meta.block_tables.data_ptr(), meta.span_starts.data_ptr(), meta.span_lens.data_ptr(),
+                     meta.span_ctx0.data_ptr(), ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs),
+                     k_scales and ctypes.addressof(k_scales), v_scales and ctypes.addressof(v_scales))
+        out = torch.empty_like(residual)
+        self._function(ctypes.byref(self._model), ctypes.byref(step), residual.data_ptr(), out.data_ptr())
+        return out
+
+    def _cache_pointers(self, kv_caches: list[KVCache]) -> list[ctypes.Array | None]:
+        """The pool's per-layer pointers (K, V, and the scales of a quantized pool, else None), built once
+        per pool (the list is kept, so its id stays its own); the pool's format sets the KV write."""
+        if self._caches is None or self._caches[0] is not kv_caches:
+            fmt = kv_caches[0].fmt
+            arrays = [(ctypes.c_void_p * len(kv_caches))(*[getattr(c, name).data_ptr() for c in kv_caches])
+                      if fmt.quantized or name in ("k", "v") else None for name in ("k", "v", "k_scale", "v_scale")]
+            self._caches = (kv_caches, arrays)
+            write = self._ops.quantized_write_kv(fmt) if fmt.quantized else None
+            self._model.write_kv_quant = _address(write)
+            self._model.kv_inv_qmax, self._model.kv_qmax = (1.0 / fmt.qmax, fmt.qmax) if fmt.quantized else (0.0, 0.0)
+        return self._caches[1]

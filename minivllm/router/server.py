@@ -1,0 +1,366 @@
+"""The HTTP router: one OpenAI-compatible front over `minivllm serve` replicas that run anywhere.
+
+    POST /v1/completions, /v1/chat/completions: routed by the policy (policies.py), streamed through
+    GET  /v1/models: the first replica up answers;  /health: each replica;  /metrics: every replica's,
+         each sample labelled `replica="URL"`, plus the router's own
+
+The router sees text, not tokens (as SGLang's router does): the prefix-aware policy hashes 64-byte
+blocks of the prompt's UTF-8 bytes, so the router loads no tokenizer and fronts any model.
+
+Faults. A replica that refuses a connection, breaks one, answers 503 engine_dead, or fails a health
+check (`--health-check-timeout`, every `--health-check-interval` seconds) leaves the rotation and
+its in-flight exchanges are cut at once (nothing waits on a stopped process). A request that has not
+started streaming to its client is then routed again to another replica; one that has ends with an
+OpenAI error object and `[DONE]`. A replica that passes a health check again rejoins.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from minivllm.router.policies import ROUTING_POLICIES, NoReplicaError, Router
+from minivllm.server.api import APIError, add_error_handlers, listening_url, read_body
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BYTES_PER_BLOCK = 64  # ~16 tokens of English text: an engine KV block
+MAX_BLOCKS = 32  # a prefix match looks at the first 2 KiB
+BYTES_PER_TOKEN = 4  # for the load estimate of a prompt the router does not tokenize
+DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
+PASSED_REQUEST_HEADERS = ("authorization", "content-type")
+PASSED_RESPONSE_HEADERS = ("content-type", "x-ignored-fields")
+REPLICA_HEADER = "X-Minivllm-Replica"  # which replica answered (the last one tried)
+
+
+class ReplicaFailed(Exception):
+    """The replica broke the exchange or left the rotation during it."""
+
+
+@dataclass
+class RouterOptions:
+    backends: list[str]
+    routing_policy: str = "prefix-aware"
+    health_check_interval: float = 1.0
+    health_check_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("backend: give at least one replica URL")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}; "
+                             f"got {self.routing_policy!r}")
+        self.backends = [b.rstrip("/") for b in self.backends]
+
+
+@dataclass
+class RoutingKey:
+    """What the policy sees of a request: its prompt as bytes (or token ids) and the load it brings."""
+
+    units: list[int]  # only the first blocks: the policy hashes no more
+    max_tokens: int
+    prompt_tokens: int  # estimated
+
+    @classmethod
+    def of(cls, path: str, body: bytes) -> RoutingKey:
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        if not isinstance(request, dict):  # the replica will answer 400: any replica will do
+            return cls([], 0, 0)
+        prompt = request.get("prompt") if path == "/v1/completions" else request.get("messages")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            units = prompt  # token ids already
+        else:
+            units = list(json.dumps(prompt, ensure_ascii=False).encode())
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+        if not isinstance(max_tokens, int):
+            max_tokens = DEFAULT_MAX_TOKENS[path]
+        return cls(units[:MAX_BLOCKS * BYTES_PER_BLOCK], max_tokens,
+                   len(units) if units is prompt else len(units) // BYTES_PER_TOKEN)
+
+
+@dataclass
+class ReplicaState:
+    """The live side of a replica: cut_off is set when it leaves the rotation."""
+
+    url: str
+    cut_off: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
+
+
+class RouterServer:
+    def __init__(self, options: RouterOptions) -> None:
+        self.options = options
+        policy_args = {"block_size": BYTES_PER_BLOCK, "max_blocks": MAX_BLOCKS} if options.routing_policy == "prefix-aware" else {}
+        self.book = Router.create(options.routing_policy, options.backends, **policy_args)
+        self.replicas = [ReplicaState(url) for url in options.backends]
+        self.retries = 0
+        self.http: httpx.AsyncClient | None = None
+
+    # -- rotation -------------------------------------------------------------------------------------------
+    def take_out(self, i: int, reason: str) -> None:
+        if self.book.replicas[i].up:
+            logger.warning("replica %s leaves the rotation: %s", self.replicas[i].url, reason)
+            print(f"minivllm: router: replica {self.replicas[i].url} out of rotation: {reason}", flush=True)
+        self.book.replicas[i].up = False
+        self.replicas[i].reason = reason
+        self.replicas[i].cut_off.set()
+
+    def bring_back(self, i: int) -> None:
+        if not self.book.replicas[i].up:
+            print(f"minivllm: router: replica {self.replicas[i].url} back in rotation", flush=True)
+            self.replicas[i].cut_off = asyncio.Event()
+            self.replicas[i].reason = ""
+        self.book.replicas[i].up = True
+
+    async def health_checks(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(i) for i in range(len(self.replicas))))
+            await asyncio.sleep(self.options.health_check_interval)
+
+    async def check(self, i: int) -> None:
+        try:
+            r = await self.http.get(f"{self.replicas[i].url}/health", timeout=self.options.health_check_timeout)
+        except httpx.HTTPError as e:
+            self.take_out(i, f"health check failed: {e!r}")
+            return
+        if r.status_code == 200:
+            self.bring_back(i)
+        else:
+            self.take_out(i, f"health check answered {r.status_code}")
+
+    async def guarded(self, i: int, work: Awaitable[T]) -> T:
+        """`work`, unless replica i leaves the rotation first (then ReplicaFailed: nobody waits on it)."""
+        task = await _unless(work, self.replicas[i].cut_off.wait())
+        if task is None:
+            raise ReplicaFailed(self.replicas[i].reason)
+        try:
+            return task.result()
+        except httpx.TransportError as e:  # refused, reset, closed mid-answer
+            self.take_out(i, repr(e))
+            raise ReplicaFailed(repr(e)) from None
+
+    # -- generation ---------------------------------------------------------------------------------------
+    async def generate(self, request: Request) -> Response:
+        path = request.url.path
+        body = await read_body(request)  # the replicas' size limit, before parsing anything
+        key = RoutingKey.of(path, body)
+        headers = {k: v for k, v in request.headers.items() if k in PASSED_REQUEST_HEADERS}
+        while True:
+            request_id = uuid.uuid4().hex
+            try:
+                i = self.book.route(request_id, key.units, key.max_tokens, key.prompt_tokens + key.max_tokens)
+            except NoReplicaError:
+                raise APIError(503, "no replica is up: " + "; ".join(
+                    f"{r.url}: {r.reason}" for r in self.replicas), None, "no_replica") from None
+            try:
+                response = await self.exchange(i, request_id, path, body, headers, request)
+            except ReplicaFailed:  # nothing reached the client yet: another replica takes it
+                self.book.finished(request_id)
+                self.retries += 1
+                continue
+            except BaseException:
+                self.book.finished(request_id)
+                raise
+            if not isinstance(response, StreamingResponse):
+                self.book.finished(request_id)
+            return response
+
+    async def exchange(self, i: int, request_id: str, path: str, body: bytes, headers: dict[str, str],
+                       client: Request) -> Response:
+        url = self.replicas[i].url
+        upstream = await self.guarded(i, self.http.send(
+            self.http.build_request("POST", url + path, content=body, headers=headers), stream=True))
+        try:
+            if upstream.status_code == 503 and b"engine_dead" in await self.guarded(i, upstream.aread()):
+                self.take_out(i, "engine dead")
+                raise ReplicaFailed("engine dead")
+            out_headers = {k: v for k, v in upstream.headers.items() if k in PASSED_RESPONSE_HEADERS}
+            out_headers[REPLICA_HEADER] = url
+            if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                content = await self.guarded(i, self.until_client_leaves(upstream.aread(), client))
+                return Response(content, upstream.status_code, out_headers)
+            chunks = upstream.aiter_raw()
+            first = await self.guarded(i, _next(chunks))  # until the first bytes the request may move
+            if first is None:
+                self.take_out(i, "closed a stream before its first event")
+                raise ReplicaFailed("closed a stream before its first event")
+        except BaseException:
+            await upstream.aclose()
+            raise
+        return StreamingResponse(self.relay(i, request_id, upstream, first, chunks), upstream.status_code,
+                                 out_headers)
+
+    @staticmethod
+    async def until_client_leaves(work: Awaitable[T], client: Request) -> T:
+        """A non-streamed answer is awaited only while its client is there (the replica aborts otherwise)."""
+        async def hung_up() -> None:
+            while (await client.receive())["type"] != "http.disconnect":
+                pass
+
+        task = await _unless(work, hung_up())
+        if task is None:
+            return b""  # nobody to answer
+        return task.result()
+
+    async def relay(self, i: int, request_id: str, upstream: httpx.Response, first: bytes,
+                    chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            while True:
+                try:
+                    chunk = await self.guarded(i, _next(chunks))
+                except ReplicaFailed as e:
+                    error = APIError(502, f"replica {self.replicas[i].url} failed mid-stream: {e}", None,
+                                     "replica_failed")
+                    yield f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+                    return
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            self.book.finished(request_id)
+            await upstream.aclose()  # a client that hung up: the replica sees it and aborts
+
+    # -- the rest -------------------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k in PASSED_REQUEST_HEADERS}
+        for i, r in enumerate(self.replicas):
+            if self.book.replicas[i].up:
+                try:
+                    up = await self.guarded(i, self.http.get(f"{r.url}/v1/models", headers=headers))
+                except ReplicaFailed:
+                    continue
+                return Response(up.content, up.status_code, media_type="application/json")
+        raise APIError(503, "no replica is up", None, "no_replica")
+
+    async def health(self) -> JSONResponse:
+        replicas = [{"url": r.url, "healthy": load.up, "reason": r.reason or None,
+                     "outstanding_requests": load.outstanding_requests}
+                    for r, load in zip(self.replicas, self.book.replicas)]
+        return JSONResponse({"replicas": replicas}, status_code=200 if any(x["healthy"] for x in replicas) else 503)
+
+    async def metrics(self) -> Response:
+        texts = await asyncio.gather(*(self.scrape(i) for i in range(len(self.replicas))))
+        registry = CollectorRegistry()
+        registry.register(_Relabelled(dict(zip(self.options.backends, texts)), self))
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def scrape(self, i: int) -> str:
+        if not self.book.replicas[i].up:
+            return ""
+        try:
+            r = await self.guarded(i, self.http.get(f"{self.replicas[i].url}/metrics",
+                                                    timeout=self.options.health_check_timeout))
+            return r.text
+        except ReplicaFailed:
+            return ""
+
+
+async def _unless(work: Awaitable[T], stop: Awaitable[Any]) -> asyncio.Future[T] | None:
+    """Await `work` unless `stop` completes first (then `work` is cancelled and None returned);
+    the finished task otherwise, whose result() gives the value or raises."""
+    task, stopper = asyncio.ensure_future(work), asyncio.ensure_future(stop)
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+    return task if task.done() and not task.cancelled() else None
+
+
+async def _next(chunks: AsyncIterator[bytes]) -> bytes | None:
+    """The next chunk, None at the end (StopAsyncIteration does not cross a task)."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+
+
+class _Relabelled:
+    """Every replica's metric families merged by name, each sample labelled with its replica."""
+
+    def __init__(self, texts: dict[str, str], server: RouterServer) -> None:
+        self.texts, self.server = texts, server
+
+    def collect(self) -> Any:
+        families: dict[str, Metric] = {}
+        for url, text in self.texts.items():
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                merged.samples += [Sample(s.name, {**s.labels, "replica": url}, s.value, s.timestamp, s.exemplar)
+                                   for s in family.samples]
+        yield from families.values()
+        up = GaugeMetricFamily("minivllm:router_replica_up", "1 while the replica is in rotation.", labels=["replica"])
+        load = GaugeMetricFamily("minivllm:router_outstanding_requests", "Requests sent and not finished.",
+                                 labels=["replica"])
+        for r in self.server.book.replicas:
+            up.add_metric([r.name], float(r.up))
+            load.add_metric([r.name], r.outstanding_requests)
+        yield up
+        yield load
+        retries = GaugeMetricFamily("minivllm:router_retries", "Requests routed again after a replica failed.")
+        retries.add_metric([], self.server.retries)
+        yield retries
+
+
+def build_router_app(options: RouterOptions) -> FastAPI:
+    server = RouterServer(options)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # No overall timeout: a long generation is fine while its replica passes health checks.
+        server.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=options.health_check_timeout),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        checks = asyncio.create_task(server.health_checks())
+        yield
+        checks.cancel()
+        await server.http.aclose()
+
+    app = FastAPI(title="minivllm router", lifespan=lifespan)
+    app.state.router = server
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics)
+    app.get("/v1/models")(server.models)
+    app.post("/v1/completions")(server.generate)
+    app.post("/v1/chat/completions")(server.generate)
+
+    add_error_handlers(app)
+    return app
+
+
+class _RouterServer(uvicorn.Server):
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            router = self.config.app.state.router
+            print(f"minivllm: serving {len(router.replicas)} replica(s) ({router.options.routing_policy}) "
+                  f"on {listening_url(self)}", flush=True)
+
+
+def run_router(options: RouterOptions, host: str, port: int) -> None:
+    """Serve until SIGTERM or Ctrl-C; in-flight requests get uvicorn's graceful shutdown."""
+    server = _RouterServer(uvicorn.Config(build_router_app(options), host=host, port=port,
+                                          timeout_graceful_shutdown=30))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal after its graceful shutdown
+        signal.signal(sig, lambda *_: None)
+    server.run()
