@@ -26,7 +26,8 @@ def run(llm: LLM, native: bool) -> list[Any]:
 @pytest.mark.parametrize("dtype,engine_args", [
     ("bfloat16", dict(max_num_batched_tokens=48)),  # prefill chunks beside decodes
     ("float32", dict(scheduler="static", static_batch_size=3)),  # padding rows
-], ids=["bf16-chunked", "fp32-static"])
+    ("bfloat16", dict(max_num_batched_tokens=48, kv_cache_dtype="fp8")),  # a quantized KV pool
+], ids=["bf16-chunked", "fp32-static", "bf16-fp8-kv"])
 def test_native_layer_loop_equals_python_loop(dtype: str, engine_args: dict) -> None:
     llm = LLM(dtype=dtype, num_kv_blocks=128, enable_prefix_caching=False, **engine_args)
     if llm.engine.runner.model.native_forward is None:
