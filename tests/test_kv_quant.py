@@ -14,7 +14,7 @@ from minivllm.config import EngineConfig
 from tests.helpers import EQUALITY_PROMPTS, LONG_PROMPT, assert_idle, greedy
 
 POOL = "64MiB"
-# Teacher-forced over LONG_PROMPT (203 scored tokens): (least top-1 agreement, largest mean |logprob
+# Teacher-forced over LONG_PROMPT (203 scored tokens), weights dequantized to bf16: (least top-1 agreement, largest mean |logprob
 # difference| of the prompt's tokens). Measured against the bf16 cache: int8 (0.970, 0.049), fp8 e4m3
 # (0.951, 0.074); the torch twin against the native path: int8 (0.975, 0.052), fp8 (0.956, 0.073).
 # In bf16 that is the size of bf16's own rounding: the bf16 model against the fp32 one agrees at 97 %
@@ -23,7 +23,10 @@ CLOSENESS = {"int8": (0.94, 0.07), "fp8": (0.92, 0.10)}
 
 
 def _bf16(**engine_args: Any) -> LLM:
-    return LLM(dtype="bfloat16", kv_cache_memory=POOL, max_num_batched_tokens=64, **engine_args)
+    # Weights dequantized to bf16, so that the KV cache is the only change (the quantized weights' int8
+    # activations add their own rounding: int8 KV then agrees at 0.936 over LONG_PROMPT).
+    return LLM(dtype="bfloat16", quantization="none", kv_cache_memory=POOL, max_num_batched_tokens=64,
+               **engine_args)
 
 
 @pytest.fixture(scope="module")
