@@ -127,5 +127,6 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     res = _run_json(tmp_path, "profile", "calibrate", "--grid", "tiny", "--repeats", "1", "--dtype", "float32")
     cost = load_profile(str(tmp_path / "profile.json"))
     assert set(cost.coefficients) == set(TERMS) and res["num_steps"] > 10
+    assert {"median", "total"} <= set(res["held_out_error"])
     assert min(cost.coefficients.values()) >= 0
     assert cost.step_time(StepShape(prefill_tokens=64, num_seqs=1)) > 0

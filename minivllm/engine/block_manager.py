@@ -77,10 +77,10 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that `seq` has filled since the last call."""
+        if not self.enable_prefix_caching:
+            return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
-        if not self.enable_prefix_caching or num_full <= seq.num_cached_blocks:
-            return  # nothing new (a decode fills a block every block_size steps)
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_cached_blocks, num_full):
             block_id = seq.block_table[i]

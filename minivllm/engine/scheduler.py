@@ -104,9 +104,11 @@ class SchedulerBase:
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The runner has written K/V for every scheduled token."""
         bm = self.block_manager
+        caching, block_size = bm.enable_prefix_caching, bm.block_size
         for seq, n in output.scheduled:
             seq.num_computed_tokens += n
-            if bm.enable_prefix_caching:
+            # Only when a block has filled (a decode fills one every block_size steps).
+            if caching and seq.num_computed_tokens >= (seq.num_cached_blocks + 1) * block_size:
                 bm.cache_full_blocks(seq)
 
     def _admit(self, seq: Sequence, num_new_tokens: int, hits: list[int], output: SchedulerOutput) -> None:
