@@ -8,7 +8,7 @@ from dataclasses import fields
 import numpy as np
 
 from minivllm.bench.compare import SystemSummary, replay_engine
-from minivllm.bench.cost_model import TERMS, StepShape, load_profile
+from minivllm.bench.cost_model import TERMS, LinearCost, StepShape, load_profile
 from minivllm.bench.metrics import ServingMetrics
 from minivllm.bench.simulate import VirtualClock, simulate_engine
 from minivllm.bench.workloads import TokenWindows, mixed_requests, with_arrivals
@@ -130,3 +130,24 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     assert {"median", "total"} <= set(res["held_out_error"])
     assert min(cost.coefficients.values()) >= 0
     assert cost.step_time(StepShape(prefill_tokens=64, num_seqs=1)) > 0
+
+
+def test_final_only_outputs_come_once_when_finished():
+    """RequestOutputKind.FINAL_ONLY (what LLM.generate and the benchmarks ask for) skips the per-step
+    outputs; the default still reports every step that advances a request."""
+    from minivllm.bench.simulate import simulated_engine
+    from minivllm.bench.workloads import load_tokenizer
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+    _, model_config = load_tokenizer(None)
+    cost = LinearCost({"step": 0.01, "decode_seqs": 0.001, "prefill_tokens": 1e-4}, "hand-written")
+    engine, _ = simulated_engine(EngineConfig(num_kv_blocks=16), model_config, cost)
+    engine.add_request("final", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True,
+                                                          output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("each", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    seen: dict[str, list] = {"final": [], "each": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append((out.finished, len(out.outputs[0].token_ids)))
+    assert seen["final"] == [(True, 4)]
+    assert seen["each"] == [(False, 1), (False, 2), (False, 3), (True, 4)]

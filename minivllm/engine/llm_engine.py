@@ -276,7 +276,8 @@ class LLMEngine:
             self._wait_for_grammars()
             return outputs
         t_scheduled = self.clock()
-        sampling = [s for s, n in sched.scheduled if will_sample(s, n)]
+        # A decode always samples; a prefill chunk does once it completes the prompt.
+        sampling = [s for (s, n), decode in zip(sched.scheduled, sched.decode_flags) if decode or will_sample(s, n)]
         logits = self.runner.execute(sched)
         t_forward = self.clock()
         if logits is not None and logits.shape[0] > len(sampling):  # rows past the sampling ones: prompt_logprobs
