@@ -12,7 +12,7 @@ steps it was fitted to and, more honestly, on each probe's steps predicted by a 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 from tqdm import tqdm
@@ -31,6 +31,7 @@ class Probe:
     output_len: int
     static: bool = False  # static batching: prompts of mixed lengths, padded
     stagger: int = 0  # > 0: one request every `stagger` steps, lengths drawn in [1/4, 1] of the probe's
+    max_num_batched_tokens: int | None = None  # a budget of its own: chunks beside decodes at long contexts
 
 
 # (sequences, prompt tokens, output tokens): prefill sizes from a few tokens to a full budget, decode
@@ -39,8 +40,11 @@ GRIDS = {
     "default": [Probe(1, 16, 24), Probe(1, 512, 24), Probe(1, 2000, 8), Probe(4, 256, 48), Probe(8, 64, 64),
                 Probe(16, 128, 64), Probe(32, 32, 48), Probe(64, 16, 32), Probe(16, 1000, 32), Probe(64, 200, 24),
                 Probe(8, 200, 48, static=True), Probe(4, 480, 32, static=True),
-                Probe(24, 128, 64, stagger=3), Probe(16, 512, 160, stagger=8), Probe(40, 256, 96, stagger=2)],
-    "tiny": [Probe(1, 16, 4), Probe(4, 64, 6), Probe(3, 40, 4, static=True), Probe(4, 48, 6, stagger=2)],
+                Probe(24, 128, 64, stagger=3), Probe(16, 512, 160, stagger=8), Probe(40, 256, 96, stagger=2),
+                Probe(12, 1024, 64, stagger=6, max_num_batched_tokens=256),
+                Probe(8, 1536, 48, stagger=4, max_num_batched_tokens=128)],
+    "tiny": [Probe(1, 16, 4), Probe(4, 64, 6), Probe(3, 40, 4, static=True),
+             Probe(4, 48, 6, stagger=2, max_num_batched_tokens=16)],
 }
 
 
@@ -103,7 +107,13 @@ class Calibration:
     cost: LinearCost
     fit_error: FitError  # on the steps it was fitted to
     held_out_error: FitError  # each probe's steps, predicted by a fit to the other probes
-    num_steps: int
+    steps: list[tuple[int, StepShape, float]]  # (probe, shape, seconds) of every measured step
+
+    def steps_dict(self) -> dict:
+        """The measured steps, columns and rows, so that a profile can be refitted or checked later."""
+        names = [f.name for f in fields(StepShape)]
+        return {"columns": ["probe", *names, "seconds"],
+                "rows": [[p, *(getattr(s, n) for n in names), t] for p, s, t in self.steps]}
 
 
 def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool) -> Calibration:
@@ -111,7 +121,7 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
     budget = max(config.max_num_batched_tokens, max(p.prompt_len for p in probes))
     engines = {static: LLMEngine(replace(config, scheduler="static" if static else "continuous",
                                          static_batch_size=max(p.num_seqs for p in probes),
-                                         max_num_batched_tokens=budget, enable_prefix_caching=False))
+                                         max_num_batched_tokens=budget))
                for static in {p.static for p in probes}}
     rng = np.random.default_rng(0)
     for engine in engines.values():  # warm-up: one-time setup is not a step's cost
@@ -119,7 +129,10 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
     groups = [([], []) for _ in probes]  # per probe (its repeats together): shapes, seconds
     for i in tqdm([i for _ in range(repeats) for i in range(len(probes))], desc="calibrating",
                   disable=not show_progress):
-        s, t = run_probe(engines[probes[i].static], probes[i], rng)
+        engine = engines[probes[i].static]
+        # The scheduler reads its budget every step: a probe with a budget of its own swaps it in.
+        engine.scheduler.config = replace(engine.config, max_num_batched_tokens=probes[i].max_num_batched_tokens or budget)
+        s, t = run_probe(engine, probes[i], rng)
         groups[i][0].extend(s)
         groups[i][1].extend(t)
     shapes = [s for g in groups for s in g[0]]
@@ -132,4 +145,4 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
         engine.close()
     cost.label = label
     return Calibration(cost, FitError.of([cost.step_time(s) for s in shapes], seconds), held_out_error(groups),
-                       len(shapes))
+                       [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)])

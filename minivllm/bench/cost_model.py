@@ -28,7 +28,8 @@ class StepShape:
     decode_seqs: int = 0  # sequences computing one new token
     padding_tokens: int = 0  # static batching's padding and its finished members' slots
     decode_context: int = 0  # K/V tokens the decodes' attention reads
-    prefill_attention: int = 0  # sum over prefill chunks of chunk tokens x context length
+    prefill_attention: int = 0  # (query, K/V token) pairs of the prefill chunks: causal, so a chunk of n
+    # tokens after c computed ones has n*c + n(n+1)/2 (chunking a prompt does not change its total)
     num_seqs: int = 0  # sequences in the step (each samples or is a chunk)
 
     @classmethod
@@ -36,14 +37,13 @@ class StepShape:
         shape = cls(padding_tokens=sched.num_padding_tokens, num_seqs=len(sched.scheduled))
         decode_seqs = decode_context = 0
         for (seq, n), decode in zip(sched.scheduled, sched.decode_flags):
-            end = seq.num_computed_tokens + n
             if decode:
                 decode_seqs += 1
-                decode_context += end
+                decode_context += seq.num_computed_tokens + 1
             else:
                 shape.prefill_seqs += 1
                 shape.prefill_tokens += n
-                shape.prefill_attention += n * end
+                shape.prefill_attention += n * seq.num_computed_tokens + n * (n + 1) // 2
         shape.decode_seqs, shape.decode_context = decode_seqs, decode_context
         return shape
 
