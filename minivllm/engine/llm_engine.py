@@ -361,7 +361,7 @@ class LLMEngine:
                 return "stop"
             if not p.ignore_eos and token in seq.eos_token_ids:
                 return "stop"
-            if p.stop_strings and delta and self._cut_at_stop_string(seq, delta):
+            if delta and p.stop_strings and self._cut_at_stop_string(seq, delta):
                 return "stop"
         if p.max_tokens is not None and num_output_tokens >= p.max_tokens:
             return "length"
