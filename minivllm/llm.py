@@ -4,13 +4,14 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
 
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -53,12 +54,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int, tenant: str) -> list[str]:
-        """Fan a request with n > 1 out into n engine requests (seeds kept distinct)."""
+        """Fan a request with n > 1 out into n engine requests (seeds kept distinct). Only the finished
+        outputs are read (as vLLM's LLM does, FINAL_ONLY)."""
         if params.structured_outputs is not None:  # a grammar the library rejects is a ValueError here
             self.engine.structured_output.compile(params.structured_outputs).result()
         base = f"offline-{time.perf_counter_ns()}"
         return [self.engine.add_request(f"{base}-{k}", prompt, child, priority=priority, tenant=tenant)
-                for k, child in enumerate(params.fan_out())]
+                for k, child in enumerate(replace(c, output_kind=RequestOutputKind.FINAL_ONLY)
+                                          for c in params.fan_out())]
 
     def _run(self, request_ids: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

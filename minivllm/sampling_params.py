@@ -1,6 +1,7 @@
 """Per-request sampling and stopping parameters, validated on construction."""
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field, fields, replace
 
@@ -59,6 +60,15 @@ class StructuredOutputsParams:
         raise AssertionError("validated in __post_init__")
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's: when the engine hands back a request's output. CUMULATIVE: after every step that
+    advances it, everything so far; FINAL_ONLY: once, when it finishes (offline generation and
+    benchmarks, which read only the end, skip a copy of the output per token)."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """Names, defaults and meanings follow vLLM's `SamplingParams` so its users feel at home."""
@@ -86,6 +96,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +112,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()

@@ -124,6 +124,8 @@ def test_quantize_at_load(scheme: str, bits: int) -> None:
     assert (t.dequantize() - w).abs().max() <= step * 0.51 + 1e-4  # half a step, plus float16 scales
     with pytest.raises(ValueError, match="in_features"):
         quant.quantize(torch.randn(4, 100), scheme)
+    if scheme == "int4":  # 128 does not divide 576 (the default model's width): groups of 64
+        assert quant.quantize(torch.randn(4, 576), scheme).d.unique(dim=1).shape[1] == 576 // 64
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from dataclasses import fields
 import numpy as np
 
 from minivllm.bench.compare import SystemSummary, replay_engine
-from minivllm.bench.cost_model import TERMS, StepShape, load_profile
+from minivllm.bench.cost_model import TERMS, LinearCost, StepShape, load_profile
 from minivllm.bench.metrics import ServingMetrics
 from minivllm.bench.simulate import VirtualClock, simulate_engine
 from minivllm.bench.workloads import TokenWindows, mixed_requests, with_arrivals
@@ -127,5 +127,58 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     res = _run_json(tmp_path, "profile", "calibrate", "--grid", "tiny", "--repeats", "1", "--dtype", "float32")
     cost = load_profile(str(tmp_path / "profile.json"))
     assert set(cost.coefficients) == set(TERMS) and res["num_steps"] > 10
+    assert {"median", "total"} <= set(res["held_out_error"])
     assert min(cost.coefficients.values()) >= 0
     assert cost.step_time(StepShape(prefill_tokens=64, num_seqs=1)) > 0
+
+
+def test_final_only_outputs_come_once_when_finished():
+    """RequestOutputKind.FINAL_ONLY (what LLM.generate and the benchmarks ask for) skips the per-step
+    outputs; the default still reports every step that advances a request."""
+    from minivllm.bench.simulate import simulated_engine
+    from minivllm.bench.workloads import load_tokenizer
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+    _, model_config = load_tokenizer(None)
+    cost = LinearCost({"step": 0.01, "decode_seqs": 0.001, "prefill_tokens": 1e-4}, "hand-written")
+    engine, _ = simulated_engine(EngineConfig(num_kv_blocks=16), model_config, cost)
+    engine.add_request("final", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True,
+                                                          output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("each", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    seen: dict[str, list] = {"final": [], "each": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append((out.finished, len(out.outputs[0].token_ids)))
+    assert seen["final"] == [(True, 4)]
+    assert seen["each"] == [(False, 1), (False, 2), (False, 3), (True, 4)]
+
+
+def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
+    from minivllm.bench.cost_model import features, fit_linear, held_out_error
+    from minivllm.engine.scheduler import SchedulerOutput
+    from minivllm.engine.sequence import Sequence
+    from minivllm.outputs import RequestMetrics
+    from minivllm.sampling_params import SamplingParams
+
+    def chunk(computed: int, n: int) -> StepShape:
+        seq = Sequence("s", None, list(range(100)), SamplingParams(), RequestMetrics(0.0), num_computed_tokens=computed)
+        return StepShape.of(SchedulerOutput([(seq, n)], [False]))
+
+    # A prompt's attention pairs are the same whole or chunked (causal: token i sees i + 1 tokens).
+    whole = chunk(0, 100).prefill_attention
+    assert whole == 100 * 101 // 2 == sum(chunk(c, 25).prefill_attention for c in range(0, 100, 25))
+
+    rng = np.random.default_rng(0)
+    truth = dict(zip(TERMS, [0.02, 1.5e-3, 4e-3, 2e-3, 1.6e-3, 2e-6, 5e-7]))
+    groups = []
+    for _ in range(5):
+        shapes = [StepShape(prefill_tokens=int(p), prefill_seqs=int(k), decode_seqs=int(d), padding_tokens=int(pad),
+                            decode_context=int(d * c), prefill_attention=int(p * a))
+                  for p, k, d, pad, c, a in zip(rng.integers(0, 512, 40), rng.integers(1, 4, 40), rng.integers(0, 64, 40),
+                                                rng.integers(0, 32, 40), rng.integers(16, 1024, 40),
+                                                rng.integers(1, 1024, 40))]
+        groups.append((shapes, [float(np.dot(list(truth.values()), features(s))) for s in shapes]))
+    fitted = fit_linear([s for g in groups for s in g[0]], [t for g in groups for t in g[1]])
+    assert all(abs(fitted[t] - truth[t]) <= 1e-6 * max(truth[t], 1e-3) for t in TERMS)
+    held = held_out_error(groups)
+    assert held.median < 1e-6 and abs(held.total) < 1e-6

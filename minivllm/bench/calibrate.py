@@ -1,24 +1,27 @@
 """`minivllm bench calibrate`: time real engine steps of known shapes on this machine and model, and
 fit the simulator's linear cost model (cost_model.LinearCost) to them.
 
-Each probe is a batch of requests that arrive together: its steps sweep prefill chunks, then
-decodes over a context that grows every step. A static-batching probe adds padding. What is timed
-is the whole `LLMEngine.step()` (schedule, inputs, forward, sampling, update), which is what a step
-costs a served request.
+A probe is a batch of requests. Arriving together, its steps sweep prefill chunks, then decodes over
+a context that grows every step; a static-batching probe adds padding. Arriving one every few steps
+(`stagger`), with lengths drawn below the probe's, its steps mix prefill chunks of several sizes with
+decodes at spread-out contexts: the steps that serving traffic runs, which batches that arrive
+together never show. What is timed is the whole `LLMEngine.step()` (schedule, inputs, forward,
+sampling, update), which is what a step costs a served request. The fit's error is reported on the
+steps it was fitted to and, more honestly, on each probe's steps predicted by a fit to the others.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 from tqdm import tqdm
 
-from minivllm.bench.cost_model import LinearCost, StepShape, fit_linear
+from minivllm.bench.cost_model import FitError, LinearCost, StepShape, fit_linear, held_out_error
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import SchedulerOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -27,15 +30,21 @@ class Probe:
     prompt_len: int
     output_len: int
     static: bool = False  # static batching: prompts of mixed lengths, padded
+    stagger: int = 0  # > 0: one request every `stagger` steps, lengths drawn in [1/4, 1] of the probe's
+    max_num_batched_tokens: int | None = None  # a budget of its own: chunks beside decodes at long contexts
 
 
 # (sequences, prompt tokens, output tokens): prefill sizes from a few tokens to a full budget, decode
-# batches from 1 to 64 at short and long contexts.
+# batches from 1 to 64 at short and long contexts, then staggered arrivals (mixed steps).
 GRIDS = {
     "default": [Probe(1, 16, 24), Probe(1, 512, 24), Probe(1, 2000, 8), Probe(4, 256, 48), Probe(8, 64, 64),
                 Probe(16, 128, 64), Probe(32, 32, 48), Probe(64, 16, 32), Probe(16, 1000, 32), Probe(64, 200, 24),
-                Probe(8, 200, 48, static=True)],
-    "tiny": [Probe(1, 16, 4), Probe(4, 64, 6), Probe(3, 40, 4, static=True)],
+                Probe(8, 200, 48, static=True), Probe(4, 480, 32, static=True),
+                Probe(24, 128, 64, stagger=3), Probe(16, 512, 160, stagger=8), Probe(40, 256, 96, stagger=2),
+                Probe(12, 1024, 64, stagger=6, max_num_batched_tokens=256),
+                Probe(8, 1536, 48, stagger=4, max_num_batched_tokens=128)],
+    "tiny": [Probe(1, 16, 4), Probe(4, 64, 6), Probe(3, 40, 4, static=True),
+             Probe(4, 48, 6, stagger=2, max_num_batched_tokens=16)],
 }
 
 
@@ -53,18 +62,35 @@ class ShapeRecorder:
         return self.runner.execute(sched)
 
 
+def _requests(probe: Probe, vocab: int, rng: np.random.Generator) -> list[tuple[list[int], SamplingParams]]:
+    """Static and staggered probes draw lengths (so that a batch pads, and contexts spread); the
+    rest are exactly the probe's."""
+    drawn = probe.static or probe.stagger
+    requests = []
+    for _ in range(probe.num_seqs):
+        n = int(rng.integers(probe.prompt_len // 4, probe.prompt_len + 1)) if drawn else probe.prompt_len
+        out = int(rng.integers(max(1, probe.output_len // 4), probe.output_len + 1)) if probe.stagger else probe.output_len
+        requests.append((rng.integers(0, vocab, n).tolist(),
+                         SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True,
+                                        output_kind=RequestOutputKind.FINAL_ONLY)))
+    return requests
+
+
 def run_probe(engine: LLMEngine, probe: Probe, rng: np.random.Generator) -> tuple[list[StepShape], list[float]]:
-    vocab = engine.model_config.vocab_size
-    for i in range(probe.num_seqs):
-        # Static probes mix lengths so that the batch pads; the rest are exactly probe.prompt_len.
-        n = int(rng.integers(probe.prompt_len // 4, probe.prompt_len + 1)) if probe.static else probe.prompt_len
-        engine.add_request(f"probe-{i}", rng.integers(0, vocab, n).tolist(),
-                           SamplingParams(max_tokens=probe.output_len, temperature=0.0, ignore_eos=True))
+    pending = _requests(probe, engine.model_config.vocab_size, rng)
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
     shapes, seconds = [], []
+    step = 0
     try:
-        while engine.has_unfinished_requests():
+        while pending or engine.has_unfinished_requests():
+            # All at once, or one every `stagger` steps (and at once when the engine would idle).
+            while pending and (not probe.stagger or step % probe.stagger == 0 or not engine.has_unfinished_requests()):
+                prompt, params = pending.pop(0)
+                engine.add_request(f"probe-{len(pending)}", prompt, params)
+                if probe.stagger:
+                    break
+            step += 1
             recorder.shape = None
             start = time.perf_counter()
             engine.step()
@@ -76,26 +102,47 @@ def run_probe(engine: LLMEngine, probe: Probe, rng: np.random.Generator) -> tupl
     return shapes, seconds
 
 
-def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool) -> tuple[LinearCost, float, int]:
-    """(the fitted cost model, its median relative error on the measured steps, steps measured)."""
+@dataclass
+class Calibration:
+    cost: LinearCost
+    fit_error: FitError  # on the steps it was fitted to
+    held_out_error: FitError  # each probe's steps, predicted by a fit to the other probes
+    steps: list[tuple[int, StepShape, float]]  # (probe, shape, seconds) of every measured step
+
+    def steps_dict(self) -> dict:
+        """The measured steps, columns and rows, so that a profile can be refitted or checked later."""
+        names = [f.name for f in fields(StepShape)]
+        return {"columns": ["probe", *names, "seconds"],
+                "rows": [[p, *(getattr(s, n) for n in names), t] for p, s, t in self.steps]}
+
+
+def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool) -> Calibration:
     probes = GRIDS[grid]
     budget = max(config.max_num_batched_tokens, max(p.prompt_len for p in probes))
     engines = {static: LLMEngine(replace(config, scheduler="static" if static else "continuous",
                                          static_batch_size=max(p.num_seqs for p in probes),
-                                         max_num_batched_tokens=budget, enable_prefix_caching=False))
+                                         max_num_batched_tokens=budget))
                for static in {p.static for p in probes}}
     rng = np.random.default_rng(0)
     for engine in engines.values():  # warm-up: one-time setup is not a step's cost
         run_probe(engine, Probe(1, 16, 2), rng)
-    shapes, seconds = [], []
-    for probe in tqdm(probes * repeats, desc="calibrating", disable=not show_progress):
-        s, t = run_probe(engines[probe.static], probe, rng)
-        shapes += s
-        seconds += t
-    coefficients, error = fit_linear(shapes, seconds)
+    groups = [([], []) for _ in probes]  # per probe (its repeats together): shapes, seconds
+    for i in tqdm([i for _ in range(repeats) for i in range(len(probes))], desc="calibrating",
+                  disable=not show_progress):
+        engine = engines[probes[i].static]
+        # The scheduler reads its budget every step: a probe with a budget of its own swaps it in.
+        engine.scheduler.config = replace(engine.config, max_num_batched_tokens=probes[i].max_num_batched_tokens or budget)
+        s, t = run_probe(engine, probes[i], rng)
+        groups[i][0].extend(s)
+        groups[i][1].extend(t)
+    shapes = [s for g in groups for s in g[0]]
+    seconds = [t for g in groups for t in g[1]]
+    cost = LinearCost(fit_linear(shapes, seconds), "")
     engine = next(iter(engines.values()))
     label = (f"calibrated: {config.model or 'SmolLM2-135M-Instruct (default GGUF)'} on {engine.device_name}, "
              f"{str(engine.dtype).removeprefix('torch.')}")
     for engine in engines.values():
         engine.close()
-    return LinearCost(coefficients, label), error, len(shapes)
+    cost.label = label
+    return Calibration(cost, FitError.of([cost.step_time(s) for s in shapes], seconds), held_out_error(groups),
+                       [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)])

@@ -66,8 +66,9 @@ def replay_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, sh
                 done[out.request_id] = out.metrics
                 bar.update(1)
     bar.close()
-    shift = t0 - engine.start_time  # trace rows count from the engine's start
-    rows = [replace(r, t_start=r.t_start - shift, t_end=r.t_end - shift) for r in engine.tracer.rows]
+    shift = t0 - engine.start_time  # trace rows count from the engine's start (the simulator's: both 0)
+    rows = engine.tracer.rows if shift == 0 else [replace(r, t_start=r.t_start - shift, t_end=r.t_end - shift)
+                                                    for r in engine.tracer.rows]
     return SystemRun(name, requests, [done[r.request_id] for r in requests], rows, t0)
 
 

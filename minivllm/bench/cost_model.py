@@ -1,6 +1,7 @@
 """Step-time cost models for the simulator: what one engine step costs, from the step's shape.
 
-- `LinearCost`: fitted by `minivllm bench calibrate` to this machine and model (a profile JSON).
+- `LinearCost`: fitted by `minivllm bench calibrate` to this machine and model (a profile JSON): a
+  sum of explainable terms, each a count of the step's work times its measured cost.
 - `RooflineCost`: a GPU's datasheet (FLOP/s, memory bandwidth) and a model's config.json; it models
   hardware that is not here, and everything it produces is labelled "modeled".
 """
@@ -23,54 +24,69 @@ class StepShape:
     """What a step computes. Read before the step runs (computed counts move on after it)."""
 
     prefill_tokens: int = 0  # prompt tokens (chunks), padding excluded
+    prefill_seqs: int = 0  # prefill chunks: each is a span of its own in attention, inputs, sampling
     decode_seqs: int = 0  # sequences computing one new token
     padding_tokens: int = 0  # static batching's padding and its finished members' slots
     decode_context: int = 0  # K/V tokens the decodes' attention reads
-    prefill_attention: int = 0  # sum over prefill chunks of chunk tokens x context length
+    prefill_attention: int = 0  # (query, K/V token) pairs of the prefill chunks: causal, so a chunk of n
+    # tokens after c computed ones has n*c + n(n+1)/2 (chunking a prompt does not change its total)
     num_seqs: int = 0  # sequences in the step (each samples or is a chunk)
 
     @classmethod
     def of(cls, sched: SchedulerOutput) -> StepShape:
         shape = cls(padding_tokens=sched.num_padding_tokens, num_seqs=len(sched.scheduled))
+        decode_seqs = decode_context = 0
         for (seq, n), decode in zip(sched.scheduled, sched.decode_flags):
-            end = seq.num_computed_tokens + n
             if decode:
-                shape.decode_seqs += 1
-                shape.decode_context += end
+                decode_seqs += 1
+                decode_context += seq.num_computed_tokens + 1
             else:
+                shape.prefill_seqs += 1
                 shape.prefill_tokens += n
-                shape.prefill_attention += n * end
+                shape.prefill_attention += n * seq.num_computed_tokens + n * (n + 1) // 2
+        shape.decode_seqs, shape.decode_context = decode_seqs, decode_context
         return shape
 
 
-# The linear model's terms: a constant per step, then StepShape's fields.
-TERMS = ("step", "prefill_tokens", "decode_seqs", "padding_tokens", "decode_context", "prefill_attention")
+# The linear model's terms: a constant per step, then counts of the step's work. What each costs:
+#   step               the fixed part: weights streamed once, per-layer launches, the step's Python
+#   prefill_tokens     a prompt token through the GEMMs
+#   prefill_seqs       a prefill chunk's own overhead (its attention span, its inputs and logits row)
+#   decode_seqs        a decode: one GEMM row, one attention span, sampling, detokenizing, bookkeeping
+#   padding_tokens     static batching's wasted rows
+#   decode_context     a K/V token read by a decode's attention
+#   prefill_attention  a (query, K/V token) pair of a prefill chunk: prefill's quadratic attention
+TERMS = ("step", "prefill_tokens", "prefill_seqs", "decode_seqs", "padding_tokens", "decode_context",
+         "prefill_attention")
 
 
 def features(shape: StepShape) -> list[float]:
-    return [1.0, shape.prefill_tokens, shape.decode_seqs, shape.padding_tokens, shape.decode_context,
-            shape.prefill_attention]
+    return [1.0, shape.prefill_tokens, shape.prefill_seqs, shape.decode_seqs, shape.padding_tokens,
+            shape.decode_context, shape.prefill_attention]
 
 
 @dataclass
 class LinearCost:
     """seconds = sum of coefficient x term, fitted to measured steps."""
 
-    coefficients: dict[str, float]
+    coefficients: dict[str, float]  # a profile without a term (an older one) costs it nothing
     label: str  # what was measured: device, model, dtype
     modeled: bool = False
 
+    def __post_init__(self) -> None:
+        self._weights = [self.coefficients.get(t, 0.0) for t in TERMS]
+
     def step_time(self, shape: StepShape) -> float:
-        return float(np.dot([self.coefficients[t] for t in TERMS], features(shape)))
+        # Plain Python: a numpy call per step costs more than the sum of seven products.
+        return sum(w * x for w, x in zip(self._weights, features(shape)))
 
     def to_dict(self) -> dict:
         return {"kind": "calibrated", "label": self.label, "coefficients": self.coefficients}
 
 
-def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[dict[str, float], float]:
+def fit_linear(shapes: list[StepShape], seconds: list[float]) -> dict[str, float]:
     """Least squares on relative error (a decode step counts as much as a long prefill), with no
-    negative coefficient: a term that comes out negative is dropped and the rest refitted.
-    Returns (coefficients, median relative error on the fitted steps)."""
+    negative coefficient: a term that comes out negative is dropped and the rest refitted."""
     x = np.array([features(s) for s in shapes], dtype=float)
     y = np.array(seconds, dtype=float)
     scale = x.max(axis=0)
@@ -84,8 +100,32 @@ def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[dict[str,
         del active[int(np.argmin(coef))]
     full = np.zeros(len(TERMS))
     full[active] = coef / scale[active]
-    error = float(np.median(np.abs(x @ full - y) / y))
-    return {t: float(c) for t, c in zip(TERMS, full)}, error
+    return {t: float(c) for t, c in zip(TERMS, full)}
+
+
+@dataclass
+class FitError:
+    """How far a profile's step times are from measured ones."""
+
+    median: float  # median relative error per step
+    total: float  # relative error of the summed time (what throughput sees)
+
+    @classmethod
+    def of(cls, predicted: list[float], measured: list[float]) -> FitError:
+        p, y = np.array(predicted), np.array(measured)
+        return cls(float(np.median(np.abs(p - y) / y)), float((p.sum() - y.sum()) / y.sum()))
+
+
+def held_out_error(groups: list[tuple[list[StepShape], list[float]]]) -> FitError:
+    """Each group (a probe's steps) predicted by a fit to all the other groups: the error on steps
+    the fit has not seen, which the error on the fitted steps understates."""
+    predicted, measured = [], []
+    for i, (shapes, seconds) in enumerate(groups):
+        rest = [g for j, g in enumerate(groups) if j != i]
+        cost = LinearCost(fit_linear([s for g in rest for s in g[0]], [t for g in rest for t in g[1]]), "")
+        predicted += [cost.step_time(s) for s in shapes]
+        measured += seconds
+    return FitError.of(predicted, measured)
 
 
 @dataclass

@@ -153,10 +153,14 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from minivllm.bench.calibrate import calibrate
 
     config = EngineConfig.from_cli_args(args)
-    cost, error, steps = calibrate(config, args.grid, args.repeats, not args.disable_tqdm)
-    print(f"{cost.label}: {steps} steps, median relative error of the fit {error:.1%}")
+    cal = calibrate(config, args.grid, args.repeats, not args.disable_tqdm)
+    cost, fit, held = cal.cost, cal.fit_error, cal.held_out_error
+    print(f"{cost.label}: {len(cal.steps)} steps")
     print("seconds per step = " + " + ".join(f"{c:.3g} x {t}" for t, c in cost.coefficients.items()))
-    write_json(args.output_json, cost.to_dict() | {"fit_median_relative_error": error, "num_steps": steps})
+    print(f"error per step (median) / of the total time: fitted steps {fit.median:.1%} / {fit.total:+.1%}, "
+          f"held-out probes {held.median:.1%} / {held.total:+.1%}")
+    write_json(args.output_json, cost.to_dict() | {"fit_error": asdict(fit), "held_out_error": asdict(held),
+                                                   "num_steps": len(cal.steps), "steps": cal.steps_dict()})
 
 
 def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:

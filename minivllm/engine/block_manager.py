@@ -118,11 +118,20 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow `seq.block_table` to hold K/V for `num_new_tokens` tokens past the computed ones."""
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if needed > self.num_free_blocks:
+        if not self.try_append(seq, num_new_tokens):
             raise RuntimeError("append_slots without can_append: KV cache exhausted")
+
+    def try_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """append_slots if can_append (in one call: the scheduler asks this of every running
+        sequence every step, and a decode mostly needs no new block)."""
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > len(self.free_queue):
+            return False
         for _ in range(needed):
             seq.block_table.append(self._pop_free())
+        return True
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so that a prefix outlives its own continuation in the LRU order.

@@ -27,7 +27,7 @@ from minivllm.config import EngineConfig, parse_size
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.policies import POLICIES
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput, prompt_logprob_positions, will_sample
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
@@ -38,7 +38,7 @@ from minivllm.model.runner import ModelRunner, kv_bytes_per_block
 from minivllm.model.sampler import Sampler
 from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer, get_tokenizer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.startup import timed
 
 PromptType = str | list[int] | dict[str, Any]
@@ -130,6 +130,7 @@ class LLMEngine:
         self._structured_output: StructuredOutputManager | None = None  # made on first use
         self._structured_output_lock = threading.Lock()
         self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
+        self._compiling: list[Sequence] = []  # requests whose grammar may still be compiling
         self._ids = itertools.count()
         self.start_time = clock()
         self.tracer = StepTracer(config.trace_file, self.start_time, run_record(config)) if config.trace_file else None
@@ -194,6 +195,7 @@ class LLMEngine:
         seq.bad_words_token_ids = self._bad_words(params.bad_words or [])
         if params.structured_outputs is not None:
             seq.grammar_future = self.structured_output.compile(params.structured_outputs)
+            self._compiling.append(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self._notify(seq)
@@ -232,7 +234,7 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt_token_ids is empty")
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            if not (all(map(isinstance, prompt, itertools.repeat(int))) and 0 <= min(prompt) and max(prompt) < vocab):
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
@@ -261,7 +263,9 @@ class LLMEngine:
     def _start_grammars(self) -> None:
         """Give each request whose grammar has compiled its parse state, so that it can be scheduled;
         a grammar that failed (the server and LLM check first, so rarely) aborts its request."""
-        for seq in [s for s in self.requests.values() if s.waiting_for_grammar and s.grammar_future.done()]:
+        self._compiling = [s for s in self._compiling if s.waiting_for_grammar]  # aborted ones drop out
+        for seq in [s for s in self._compiling if s.grammar_future.done()]:
+            self._compiling.remove(seq)
             try:
                 seq.grammar = self.structured_output.grammar(seq.grammar_future.result())
             except ValueError:
@@ -270,7 +274,7 @@ class LLMEngine:
 
     def _wait_for_grammars(self) -> None:
         """Nothing could run: sleep until a grammar is ready (briefly, so new commands are not held up)."""
-        pending = [s.grammar_future for s in self.requests.values() if s.waiting_for_grammar]
+        pending = [s.grammar_future for s in self._compiling if s.waiting_for_grammar]
         if pending:
             concurrent.futures.wait(pending, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
@@ -280,7 +284,8 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_start = self.clock()
-        self._start_grammars()
+        if self._compiling:
+            self._start_grammars()
         outputs = [self._make_output(s) for s in self._aborted]
         self._aborted = []
         sched = self.scheduler.schedule()
@@ -288,7 +293,8 @@ class LLMEngine:
             self._wait_for_grammars()
             return outputs
         t_scheduled = self.clock()
-        sampling = [s for s, n in sched.scheduled if will_sample(s, n)]
+        # A decode always samples; a prefill chunk does once it completes the prompt.
+        sampling = [s for (s, n), decode in zip(sched.scheduled, sched.decode_flags) if decode or will_sample(s, n)]
         logits = self.runner.execute(sched)
         t_forward = self.clock()
         if logits is not None and logits.shape[0] > len(sampling):  # rows past the sampling ones: prompt_logprobs
@@ -297,10 +303,15 @@ class LLMEngine:
         sampled = self.sampler(logits, sampling) if sampling else None
         t_sampled = self.clock()
         self.scheduler.on_step_done(sched)
-        for i, seq in enumerate(sampling):
-            self._append(seq, sampled.token_ids[i], sampled.logprobs[i], t_sampled)
-        self._count(sched, t_start, [s for s in sampling if s.is_finished])
-        outputs.extend(self._make_output(s) for s in sampling)
+        if sampling:
+            for seq, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
+                self._append(seq, token, logprobs, t_sampled)
+            self.stats["generation_tokens"] += len(sampling)
+        finished = [s for s in sampling if s.status is SequenceStatus.FINISHED]
+        self._count(sched, t_start, finished)
+        final_only = RequestOutputKind.FINAL_ONLY
+        outputs.extend(self._make_output(s) for s in sampling
+                       if s.params.output_kind is not final_only or s.status is SequenceStatus.FINISHED)
         times = self.step_time
         times["schedule"] += t_scheduled - t_start
         times["model"] += t_forward - t_scheduled
@@ -325,14 +336,16 @@ class LLMEngine:
                 row += 1
 
     def _count(self, sched: SchedulerOutput, t_start: float, finished: list[Sequence]) -> None:
-        self.stats["num_steps"] += 1
-        self.stats["padding_tokens"] += sched.num_padding_tokens
-        self.stats["prompt_tokens"] += sched.num_prefill_tokens
+        stats = self.stats
+        scheduled, decode = sched.num_scheduled_tokens, sched.num_decode_tokens
+        stats["num_steps"] += 1
+        stats["padding_tokens"] += sched.num_padding_tokens
+        stats["prompt_tokens"] += scheduled - decode
         if observers := self._observers:
             bm, t0 = self.block_manager, self.start_time
-            row = StepRow(self.stats["num_steps"], t_start - t0, self.clock() - t0,
-                          sched.num_scheduled_tokens + sched.num_padding_tokens, sched.num_prefill_tokens,
-                          sched.num_decode_tokens, sched.num_padding_tokens, self.scheduler.num_running,
+            row = StepRow(stats["num_steps"], t_start - t0, self.clock() - t0,
+                          scheduled + sched.num_padding_tokens, scheduled - decode,
+                          decode, sched.num_padding_tokens, self.scheduler.num_running,
                           self.scheduler.num_waiting, bm.num_used_blocks, bm.num_blocks, len(sched.preempted),
                           len(finished))
             for observer in observers:
@@ -340,7 +353,6 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         seq.append_token(token)
-        self.stats["generation_tokens"] += 1
         m = seq.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -359,18 +371,18 @@ class LLMEngine:
             self.stats["finished_requests"] += 1
 
     def _stop_reason(self, seq: Sequence, token: int, delta: str) -> str | None:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
+        p, num_output_tokens = seq.params, len(seq.output_token_ids)
+        if num_output_tokens >= p.min_tokens:
+            if p.stop_token_ids and token in p.stop_token_ids:
                 seq.stop_reason = token
                 return "stop"
             if not p.ignore_eos and token in seq.eos_token_ids:
                 return "stop"
-            if p.stop_strings and delta and self._cut_at_stop_string(seq, delta):
+            if delta and p.stop_strings and self._cut_at_stop_string(seq, delta):
                 return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output_tokens >= p.max_tokens:
             return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -46,7 +46,7 @@ def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
 
 def will_sample(seq: Sequence, num_new_tokens: int) -> bool:
     """A sequence samples once the step computes its last token."""
-    return seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+    return seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
 
 
 def prompt_logprob_positions(seq: Sequence, num_new_tokens: int) -> range:
@@ -103,9 +103,13 @@ class SchedulerBase:
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The runner has written K/V for every scheduled token."""
+        bm = self.block_manager
+        caching, block_size = bm.enable_prefix_caching, bm.block_size
         for seq, n in output.scheduled:
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            # Only when a block has filled (a decode fills one every block_size steps).
+            if caching and seq.num_computed_tokens >= (seq.num_cached_blocks + 1) * block_size:
+                bm.cache_full_blocks(seq)
 
     def _admit(self, seq: Sequence, num_new_tokens: int, hits: list[int], output: SchedulerOutput) -> None:
         self.block_manager.allocate(seq, num_new_tokens, hits)
@@ -116,9 +120,10 @@ class SchedulerBase:
             seq.metrics.first_scheduled_time = self.clock()
         self._record(seq, num_new_tokens, output)
 
-    def _record(self, seq: Sequence, num_new_tokens: int, output: SchedulerOutput) -> None:
+    def _record(self, seq: Sequence, num_new_tokens: int, output: SchedulerOutput,
+                decode: bool | None = None) -> None:
         output.scheduled.append((seq, num_new_tokens))
-        output.decode_flags.append(is_decode(seq, num_new_tokens))
+        output.decode_flags.append(is_decode(seq, num_new_tokens) if decode is None else decode)
         self.policy.on_scheduled(seq, num_new_tokens)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> int:
@@ -154,8 +159,9 @@ class Scheduler(SchedulerBase):
         output = SchedulerOutput()
         self.budget = self.config.max_num_batched_tokens
         self.num_partial = 0
-        decodes = [s for s in self.running if not s.is_prefilling]
-        prefills = [s for s in self.running if s.is_prefilling]
+        decodes, prefills = [], []
+        for s in self.running:  # one pass, in running order (s.is_prefilling, inlined: it runs per sequence)
+            (prefills if len(s.token_ids) - s.num_computed_tokens > 1 else decodes).append(s)
         if self.config.schedule_order == "prefill-first" or self._prefill_next:
             self._prefill_next = False
             self._schedule_running(prefills, output)
@@ -178,22 +184,27 @@ class Scheduler(SchedulerBase):
         return n
 
     def _schedule_running(self, candidates: list[Sequence], output: SchedulerOutput) -> None:
+        # Runs for every running sequence every step: properties are read once into locals.
+        running, try_append = SequenceStatus.RUNNING, self.block_manager.try_append
         for seq in candidates:
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+            if seq.status is not running:  # preempted earlier in this step
                 continue
-            n = self._chunk(seq, seq.num_uncomputed_tokens)
+            num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            if num_uncomputed == 1:  # _chunk's answer for one token
+                n = 1 if self.budget > 0 else 0
+            else:
+                n = self._chunk(seq, num_uncomputed)
             if n == 0:
                 continue
-            while not self.block_manager.can_append(seq, n):
+            while not try_append(seq, n):
                 victim = self.policy.pick_victim(self.running)
                 self.budget += self._preempt(victim, output)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slots(seq, n)
-                self.num_partial += n < seq.num_uncomputed_tokens
+                self.num_partial += n < num_uncomputed
                 self.budget -= n
-                self._record(seq, n, output)
+                self._record(seq, n, output, n == 1 and num_uncomputed == 1 and len(seq.output_token_ids) > 0)
 
     def _schedule_waiting(self, output: SchedulerOutput, now: float) -> None:
         if output.preempted:  # memory is short: let the running sequences drain first

@@ -20,7 +20,8 @@ from minivllm.model.gguf_quants import Ints
 
 GROUP = 32  # k per activation block and per weight group (sub-groups of 16 for Q6_K)
 PANEL = 16  # csrc/quant_gemm.c: output columns per packed panel
-INT4_GROUP = 128  # `--quantization int4`: one scale and offset per 128 k, as the issue and AWQ/GPTQ use
+INT4_GROUPS = (128, 64, 32)  # `--quantization int4`: one scale and offset per 128 k as AWQ/GPTQ use, or
+# the largest of these that divides in_features (the default model's 576 takes 64)
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 
 
@@ -95,11 +96,11 @@ def _split_groups(t: QuantizedTensor) -> QuantizedTensor:
 
 def quantize(w: torch.Tensor, scheme: str) -> QuantizedTensor:
     """A float weight [n, k] quantized at load: `int8` symmetric per output channel (u = q + 128), or
-    `int4` asymmetric per group of 128 (min/max over the group, as AWQ does)."""
+    `int4` asymmetric per group of 128 k (min/max over the group, as AWQ does; 64 or 32 where 128 does
+    not divide k)."""
     n, k = w.shape
-    if k % INT4_GROUP if scheme == "int4" else k % GROUP:
-        raise ValueError(f"--quantization {scheme} needs in_features divisible by "
-                         f"{INT4_GROUP if scheme == 'int4' else GROUP}, not {k}")
+    if k % GROUP:
+        raise ValueError(f"--quantization {scheme} needs in_features divisible by {GROUP}, not {k}")
     w = w.float()
     if scheme == "int8":
         d = (w.abs().amax(dim=1, keepdim=True) / 127).half().float()
@@ -107,11 +108,12 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantizedTensor:
         u = (q + 128).to(torch.uint8)
         d = d.expand(n, k // GROUP)
         return QuantizedTensor(u, d.half(), (d * -128).half(), 8)
-    groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    group = next(g for g in INT4_GROUPS if k % g == 0)
+    groups = w.view(n, k // group, group)
     lo, hi = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
     d, m = ((hi - lo) / 15).half().float(), lo.half().float()
     u = torch.where(d > 0, (groups - m) / d, 0).round().clamp(0, 15).to(torch.uint8).view(n, k)
-    per_block = INT4_GROUP // GROUP  # the kernel's groups are 32: repeat each scale
+    per_block = group // GROUP  # the kernel's groups are 32: repeat each scale
     return QuantizedTensor(u, d.view(n, -1).repeat_interleave(per_block, 1).half(),
                            m.view(n, -1).repeat_interleave(per_block, 1).half(), 4)
 
