@@ -396,3 +396,11 @@ def test_scheduling_scenarios_show_chunked_steps_and_fair_rows(tmp_path):
     assert [(r.name.split(",")[0], r.group) for r in fair_rows] == [
         ("fair", "light"), ("fair", "light"), ("fair", "heavy"), ("fcfs", "light"), ("fcfs", "heavy")]
     assert "| setting |" in table(rows + fair_rows)
+
+
+def test_quality_reference_overrides_keep_choice_values() -> None:
+    """`--reference quantization=none` means the choice "none" (the dequantized model), not a missing value."""
+    from minivllm.bench.quality import parse_overrides
+
+    assert parse_overrides(["quantization=none", "max_model_len=none", "dtype=float32", "num-kv-blocks=64"]) == {
+        "quantization": "none", "max_model_len": None, "dtype": "float32", "num_kv_blocks": 64}

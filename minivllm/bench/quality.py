@@ -63,6 +63,7 @@ class QualityResult:
 def parse_overrides(items: list[str]) -> dict:
     """NAME=VALUE pairs of EngineConfig fields (the CLI's names, dashes or underscores), typed as the field."""
     types = {f.name: f.type for f in fields(EngineConfig)}
+    choices = {f.name: f.metadata.get("choices") or () for f in fields(EngineConfig)}
     out = {}
     for item in items:
         name, sep, value = item.partition("=")
@@ -74,8 +75,8 @@ def parse_overrides(items: list[str]) -> dict:
             out[name] = value.lower() in ("1", "true", "yes", "on")
         elif "int" in kind and value.lower() != "none":
             out[name] = int(value)
-        else:
-            out[name] = None if value.lower() == "none" else value
+        else:  # "none" is None, unless it is one of the field's choices (--quantization none)
+            out[name] = None if value.lower() == "none" and value not in choices[name] else value
     return out
 
 
