@@ -95,15 +95,20 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"silu_and_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
     if hasattr(lib, "pack_panels"):  # AVX-512
         lib.pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
+    lib.pack_quantized.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR]
     for suffix in _DTYPE_SUFFIX.values():
         if hasattr(lib, f"qgemm_{suffix}"):  # AVX512-VNNI (and -BF16 for bf16)
             getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int, _PTR, _PTR,
                                                         _I64, _I64, _I64, _I64]
-        lib.pack_quantized.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR]
         getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, ctypes.c_int, _I64, _PTR, _I64, _PTR]
         if hasattr(lib, f"forward_layers_{suffix}"):
             getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
     return lib
+
+
+def _cpu_library(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The kernels' library where they apply (the CPU, bf16 or float32 activations), else None."""
+    return _library() if device.type == "cpu" and dtype in _DTYPE_SUFFIX else None
 
 
 def _cpu() -> str:
@@ -125,12 +130,12 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, gr
                      kv_cache_dtype: str = "auto"):
     """The native paged-attention function (every query of a step) for this device, dtype, KV cache
     format and shapes, or None."""
-    if (device.type != "cpu" or dtype not in _DTYPE_SUFFIX or head_dim > MAX_HEAD_DIM or head_dim % CHAINS
-            or group > MAX_GROUP or block_size > MAX_BLOCK_SIZE):
+    if head_dim > MAX_HEAD_DIM or head_dim % CHAINS or group > MAX_GROUP or block_size > MAX_BLOCK_SIZE:
         return None
-    lib = _library()
-    suffix = _DTYPE_SUFFIX[dtype] + _kv_suffix(kv_format(kv_cache_dtype))
-    return None if lib is None else getattr(lib, f"paged_attention_{suffix}")
+    lib = _cpu_library(device, dtype)
+    if lib is None:
+        return None
+    return getattr(lib, f"paged_attention_{_DTYPE_SUFFIX[dtype]}{_kv_suffix(kv_format(kv_cache_dtype))}")
 
 
 def paged_attention_native(kernel, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
@@ -183,9 +188,7 @@ class Gemm:
 
 def gemm(device: torch.device, dtype: torch.dtype, in_features: int) -> Gemm | None:
     """The native batch-invariant linear for this device, dtype and input width, or None (the torch path)."""
-    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX or in_features % 2:
-        return None
-    lib = _library()
+    lib = None if in_features % 2 else _cpu_library(device, dtype)
     return Gemm(lib, dtype) if lib is not None and hasattr(lib, f"gemm_{_DTYPE_SUFFIX[dtype]}") else None
 
 
@@ -223,17 +226,13 @@ class QuantGemm:
 
 def quant_gemm(device: torch.device, dtype: torch.dtype) -> QuantGemm | None:
     """The native quantized linear for this device and activation dtype, or None (the torch twin)."""
-    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX:
-        return None
-    lib = _library()
+    lib = _cpu_library(device, dtype)
     return QuantGemm(lib, dtype) if lib is not None and hasattr(lib, f"qgemm_{_DTYPE_SUFFIX[dtype]}") else None
 
 
 def forward_layers(device: torch.device, dtype: torch.dtype):
     """csrc/forward.c's layer loop for this device and dtype (native_forward.py drives it), or None."""
-    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX:
-        return None
-    lib = _library()
+    lib = _cpu_library(device, dtype)
     return None if lib is None else getattr(lib, f"forward_layers_{_DTYPE_SUFFIX[dtype]}", None)
 
 
@@ -288,7 +287,5 @@ class LayerOps:
 
 
 def layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps | None:
-    if device.type != "cpu" or dtype not in _DTYPE_SUFFIX:
-        return None
-    lib = _library()
+    lib = _cpu_library(device, dtype)
     return None if lib is None else LayerOps(lib, dtype)

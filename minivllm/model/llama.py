@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
                      device: torch.device, dtype: torch.dtype, quantization: str = "none") -> "LlamaForCausalLM":
         """Build the model without initializing it (on the meta device), then take the checkpoint's
         tensors as its parameters: no random init, no second copy of the weights. `quantization`
-        (quant.QUANTIZATIONS): "gguf" keeps the file's quantized blocks as they come, "int8"/"int4"
+        (EngineConfig.weight_quantization): "gguf" keeps the file's quantized blocks as they come, "int8"/"int4"
         quantize the float weights, "none" dequantizes whatever comes quantized."""
         with torch.device("meta"):
             model = cls(config)

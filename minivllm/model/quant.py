@@ -22,7 +22,6 @@ GROUP = 32  # k per activation block and per weight group (sub-groups of 16 for 
 PANEL = 16  # csrc/quant_gemm.c: output columns per packed panel
 INT4_GROUPS = (128, 64, 32)  # `--quantization int4`: one scale and offset per 128 k as AWQ/GPTQ use, or
 # the largest of these that divides in_features (the default model's 576 takes 64)
-QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 
 
 @dataclass
@@ -46,13 +45,17 @@ class QuantizedTensor:
         return self.u.shape
 
     @property
+    def group(self) -> int:
+        """k per (d, m) pair: 32, or 16."""
+        return self.u.shape[1] // self.d.shape[1]
+
+    @property
     def sub(self) -> int:
         """(d, m) pairs per 32 k: 1, or 2 for groups of 16."""
-        return self.d.shape[1] * GROUP // self.u.shape[1]
+        return GROUP // self.group
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        group = self.u.shape[1] // self.d.shape[1]
-        u = self.u.view(self.u.shape[0], -1, group).float()
+        u = self.u.view(self.u.shape[0], -1, self.group).float()
         w = u * self.d.float()[..., None] + self.m.float()[..., None]
         return w.view(self.u.shape).to(dtype)
 
@@ -61,11 +64,11 @@ class QuantizedTensor:
         if dim == 0:
             return QuantizedTensor(self.u.narrow(0, start, length), self.d.narrow(0, start, length),
                                    self.m.narrow(0, start, length), self.bits)
-        group = self.u.shape[1] // self.d.shape[1]
         if start % GROUP or length % GROUP:
             raise ValueError(f"a quantized weight splits along k at multiples of {GROUP}, not {start}+{length}")
-        return QuantizedTensor(self.u.narrow(1, start, length), self.d.narrow(1, start // group, length // group),
-                               self.m.narrow(1, start // group, length // group), self.bits)
+        g = self.group
+        return QuantizedTensor(self.u.narrow(1, start, length), self.d.narrow(1, start // g, length // g),
+                               self.m.narrow(1, start // g, length // g), self.bits)
 
     def to(self, device: torch.device) -> "QuantizedTensor":
         return QuantizedTensor(self.u.to(device), self.d.to(device), self.m.to(device), self.bits)
@@ -164,13 +167,13 @@ def linear_twin(x: torch.Tensor, t: QuantizedTensor, bias: torch.Tensor | None =
     agree to float32 rounding, not bit for bit."""
     x8, dx = quantize_activations(x)
     sub = t.sub
-    x8 = x8.view(x.shape[0], -1, GROUP // sub)  # [rows, groups, group]
+    x8 = x8.view(x.shape[0], -1, t.group)  # [rows, groups, group]
     dx = dx.repeat_interleave(sub, dim=1)  # [rows, groups, 1]
     sx = x8.sum(dim=2) * dx[..., 0]  # [rows, groups]
     out = torch.empty(x.shape[0], t.shape[0], dtype=torch.float32, device=x.device)
     for n0 in range(0, t.shape[0], chunk):  # bounded memory for a large LM head
         part = t.narrow(0, n0, min(chunk, t.shape[0] - n0))
-        u = part.u.view(part.u.shape[0], -1, GROUP // sub).float()
+        u = part.u.view(part.u.shape[0], -1, t.group).float()
         isum = torch.einsum("rgk,ngk->rng", x8, u)
         d, m = part.d.float(), part.m.float()
         out[:, n0:n0 + part.shape[0]] = (isum * (d[None] * dx[:, None, :, 0])).sum(-1) + sx @ m.T

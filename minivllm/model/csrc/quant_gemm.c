@@ -28,6 +28,10 @@
 
 #include "bf16.h"
 
+/* The packed layout's sizes: a block's integers (16 columns x 32 k), then its scales (64 bytes per sub). */
+static inline int weight_bytes(int bits) { return 16 * 32 * bits / 8; }
+static inline int block_bytes(int bits, int sub) { return weight_bytes(bits) + sub * 64; }
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -37,7 +41,6 @@
 
 static inline int64_t qmin64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static inline int block_bytes(int bits, int sub) { return 16 * 32 * bits / 8 + sub * 64; }
 
 /* One row's activations per 32-k block: dx, then dx * (sum of x8) over the whole block and over each
  * half (for sub 2). */
@@ -108,7 +111,7 @@ static inline __attribute__((always_inline)) void qtile(
                 w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
         }
-        const uint8_t *sc = blk + 16 * 32 * bits / 8;
+        const uint8_t *sc = blk + weight_bytes(bits);
         const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
         const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
         if (sub == 1) {
@@ -197,7 +200,7 @@ QGEMM(bf16, uint16_t, { _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtn
 /* Rows `ids` of a packed weight, dequantized (the embedding table when it is the tied LM head). */
 #define QROWS(S, T, STORE)                                                                         \
 void qrows_##S(const uint8_t *w, int bits, int sub, int64_t K, const int64_t *ids, int64_t count, T *out) { \
-    const int64_t stride = 16 * 32 * bits / 8 + sub * 64, panel_bytes = (K / 32) * stride;         \
+    const int64_t stride = block_bytes(bits, sub), panel_bytes = (K / 32) * stride;                 \
     for (int64_t i = 0; i < count; i++) {                                                          \
         const int64_t n = ids[i], c = n % 16;                                                      \
         const uint8_t *panel = w + (n / 16) * panel_bytes;                                         \
@@ -207,7 +210,7 @@ void qrows_##S(const uint8_t *w, int bits, int sub, int64_t K, const int64_t *id
             int u;                                                                                 \
             if (bits == 8) u = blk[g * 64 + c * 4 + j];                                            \
             else u = (blk[(g % 4) * 64 + c * 4 + j] >> (g < 4 ? 0 : 4)) & 0x0F;                    \
-            const _Float16 *sc = (const _Float16 *)(blk + 16 * 32 * bits / 8 + (sub == 2 && kk >= 16) * 64); \
+            const _Float16 *sc = (const _Float16 *)(blk + weight_bytes(bits) + (sub == 2 && kk >= 16) * 64); \
             out[i * K + k] = STORE((float)sc[c] * (float)u + (float)sc[16 + c]);                   \
         }                                                                                          \
     }                                                                                              \
@@ -220,13 +223,13 @@ QROWS(bf16, uint16_t, float_to_bf16)
  * above, [panels][K / 32][block_bytes]; the columns past N are zero. */
 void pack_quantized(const uint8_t *u, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K, int bits,
                     int sub, uint8_t *out) {
-    const int64_t blocks = K / 32, groups = blocks * sub, stride = 16 * 32 * bits / 8 + sub * 64;
+    const int64_t blocks = K / 32, groups = blocks * sub, stride = block_bytes(bits, sub);
     const int64_t panels = (N + 15) / 16;
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *blk = out + (p * blocks + b) * stride;
-            uint16_t *sc = (uint16_t *)(blk + 16 * 32 * bits / 8);
+            uint16_t *sc = (uint16_t *)(blk + weight_bytes(bits));
             memset(blk, 0, (size_t)stride);
             for (int64_t c = 0; c < 16; c++) {
                 const int64_t n = p * 16 + c;
