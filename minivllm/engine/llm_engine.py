@@ -31,6 +31,7 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
+from minivllm.model import weight_cache
 from minivllm.model.kernels import layer_ops
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
@@ -51,10 +52,19 @@ logger = logging.getLogger(__name__)
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
                ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Engines in one process (a benchmark comparing schedulers, a test suite) share read-only
-    weights: the KV cache and all state are per engine."""
+    weights: the KV cache and all state are per engine. Quantized weights, once packed, are cached
+    on disk and mapped at later starts (weight_cache.py)."""
+    cached = weight_cache.cache_file(path, device, dtype, quantization)
+    hit = weight_cache.load(cached) if cached is not None else None
+    if hit is not None:
+        model_config, state = hit
+        return model_config, LlamaForCausalLM.from_state(model_config, state, device)
     # Decoded straight into the model's dtype, or kept quantized.
     model_config, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
-    return model_config, LlamaForCausalLM.from_weights(model_config, weights, device, dtype, quantization)
+    model = LlamaForCausalLM.from_weights(model_config, weights, device, dtype, quantization)
+    if cached is not None:
+        weight_cache.save(cached, model_config, model.state())
+    return model_config, model
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:

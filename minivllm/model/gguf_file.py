@@ -81,10 +81,6 @@ class GGUFFile:
         value = self.metadata.get(key)
         return value.count if isinstance(value, GGUFArray) else 0
 
-    def header(self) -> memoryview:
-        """The bytes before the tensor data: every metadata value and the tensor table."""
-        return memoryview(self._map)[:self.data_offset]
-
     def raw(self, t: GGUFTensorInfo) -> torch.Tensor:
         """The tensor's bytes in place, flat uint8: no copy, and no page read until used."""
         return torch.frombuffer(self._map, dtype=torch.uint8, count=t.nbytes, offset=t.offset)

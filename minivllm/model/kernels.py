@@ -46,18 +46,29 @@ _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _QUANTIZED_KV = ("int8", "fp8_e4m3", "fp8_e5m2")  # kv_cache.py's quantized formats: a kernel each
 
 
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+@functools.lru_cache(maxsize=1)
+def library_key() -> str:
+    """A hash of what the native library is built from: its sources, the compiler and flags, and this
+    CPU (-march=native makes it valid for this CPU model only). It names the library, and the weight
+    cache, whose packed layouts the library defines."""
+    code = b"".join(f.read_bytes() for f in sorted([*SOURCES, *CSRC.glob("*.h")]))
+    key = code + " ".join([_compiler() or "", *COMPILE_FLAGS, *LINK_FLAGS, _cpu()]).encode()
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("MINIVLLM_NO_KERNELS"):
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         return None
-    # -march=native: the library is only valid for this CPU model, so its name says which.
-    code = b"".join(f.read_bytes() for f in sorted([*SOURCES, *CSRC.glob("*.h")]))
-    key = code + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu()]).encode()
     cache = cache_dir()
-    lib_path = cache / f"kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    lib_path = cache / f"kernels-{library_key()}.so"
     try:
         if not lib_path.exists():
             print(f"minivllm: compiling the native CPU kernels once for this CPU into {cache} ...",

@@ -252,7 +252,37 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model._assign(weights, dtype, quantization)
-        model = model.to(device).eval()
+        return model._placed(device)
+
+    @classmethod
+    def from_state(cls, config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWeight],
+                   device: torch.device) -> "LlamaForCausalLM":
+        """The model from what `state()` returned for it (weight_cache.py): nothing converted."""
+        with torch.device("meta"):
+            model = cls(config)
+        for name, value in state.items():
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if isinstance(value, QuantizedWeight):
+                module.set_quantized(value)
+            else:
+                setattr(module, attr, nn.Parameter(value, requires_grad=False))
+        model._tie_embeddings()
+        return model._placed(device)
+
+    def state(self) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """Every parameter and quantized weight the model holds once built, by name; a tied LM head is
+        left out (`_tie_embeddings` restores it)."""
+        state: dict[str, torch.Tensor | QuantizedWeight] = dict(self.named_parameters())
+        for name, module in self.named_modules():
+            if isinstance(module, (Linear, Embedding)) and module.quantized is not None:
+                state[f"{name}.weight"] = module.quantized
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return state
+
+    def _placed(self, device: torch.device) -> "LlamaForCausalLM":
+        model = self.to(device).eval()
         for weight in model.quantized_weights():
             weight.to(device)
         model.use_native_kernels(True)
@@ -301,14 +331,17 @@ class LlamaForCausalLM(nn.Module):
             if missing:
                 raise ValueError(f"checkpoint lacks {missing} for {name}")
             self._set(name, cat_rows([pieces[p] for p in _FUSED_ORDER[target]]), expected, dtype, quantization)
+        self._tie_embeddings()
+        still_meta = [n for n, p in self.named_parameters() if p.is_meta]
+        if still_meta:
+            raise ValueError(f"checkpoint lacks weights: {still_meta[:5]}")
+
+    def _tie_embeddings(self) -> None:
         if self.config.tie_word_embeddings:
             if self.embed_tokens.quantized is not None:
                 self.lm_head.set_quantized(self.embed_tokens.quantized)
             else:
                 self.lm_head.weight = self.embed_tokens.weight
-        still_meta = [n for n, p in self.named_parameters() if p.is_meta]
-        if still_meta:
-            raise ValueError(f"checkpoint lacks weights: {still_meta[:5]}")
 
     def _set(self, name: str, tensor: torch.Tensor | QuantizedTensor, expected: dict[str, torch.Tensor],
              dtype: torch.dtype, quantization: str) -> None:

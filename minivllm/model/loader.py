@@ -6,6 +6,7 @@ checkpoints, so that the model code knows one naming only.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.config import cache_dir
 from minivllm.model.gguf_file import GGUFFile, GGUFTensorInfo
 from minivllm.model.gguf_quants import BLOCK_FORMATS, dequantize, split
 from minivllm.model.quant import QuantizedTensor
@@ -72,6 +74,34 @@ def resolve_model_path(model: str | None) -> Path:
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{str(path)!r} is neither a .gguf file nor a checkpoint directory")
     return path
+
+
+@functools.lru_cache(maxsize=8)
+def checkpoint_digest(path: Path) -> str:
+    """sha256 of the checkpoint's bytes (a GGUF file, or every file of a directory with its name):
+    what the caches built from it are keyed by. Hashing reads the whole checkpoint (0.1 s per 100 MB),
+    so the result is remembered per version of its files, as git's index does: a file's path, size,
+    modification time and inode name the version."""
+    files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
+    stamps = [(str(f.resolve()), s.st_size, s.st_mtime_ns, s.st_ino) for f in files for s in [f.stat()]]
+    memo = cache_dir() / "digests" / hashlib.sha256(repr(stamps).encode()).hexdigest()[:32]
+    try:
+        known = memo.read_text()
+        if len(known) == 64:  # not a write cut short
+            return known
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(digest.hexdigest())
+    except OSError:
+        pass  # a read-only cache: hashed again next time
+    return digest.hexdigest()
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype | None = None, keep_quantized: bool = False

@@ -195,6 +195,14 @@ class QuantizedWeight:
         self.kernel = None  # kernels.QuantGemm, or None: the twin
         self.dtype = torch.float32  # of the activations, and of the rows an embedding reads
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, n: int, k: int, bits: int, sub: int) -> "QuantizedWeight":
+        """A weight already in the kernel's layout (weight_cache.py), for `use_kernel` to take as it is."""
+        weight = cls.__new__(cls)
+        weight.n, weight.k, weight.bits, weight.sub = n, k, bits, sub
+        weight.tensor, weight.packed, weight.kernel, weight.dtype = None, packed, None, torch.float32
+        return weight
+
     def use_kernel(self, kernel, dtype: torch.dtype) -> None:
         if kernel is not None and self.packed is None:
             self.packed, self.tensor = kernel.pack(self.tensor), None

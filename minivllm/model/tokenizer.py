@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.config import cache_dir
-from minivllm.model.loader import ModelConfig, model_files_dir
+from minivllm.model.loader import ModelConfig, checkpoint_digest, model_files_dir
 
 # Bump when what minivllm saves for a converted tokenizer changes.
-TOKENIZER_CACHE_VERSION = 1
+TOKENIZER_CACHE_VERSION = 2
 
 
 class Tokenizer:
@@ -144,11 +144,9 @@ def _special_token(files: Path, name: str) -> str | None:
 
 
 def gguf_tokenizer_key(path: Path) -> str:
-    """What the conversion depends on: the file's metadata and tensor table (the bytes before the
-    tensor data; the tokenizer is in the metadata), and the versions of the code that converts."""
-    from minivllm.model.gguf_file import GGUFFile
-
-    digest = hashlib.sha256(GGUFFile(path).header())
+    """What the conversion depends on: the file's bytes (its metadata holds the tokenizer) and the
+    versions of the code that converts."""
+    digest = hashlib.sha256(checkpoint_digest(path).encode())
     for part in (version("transformers"), version("tokenizers"), str(TOKENIZER_CACHE_VERSION)):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:32]

@@ -1,0 +1,125 @@
+"""The built model's weights, saved once in the layout the kernels read and memory-mapped at later starts.
+
+Splitting a GGUF file's blocks into integers and packing them into the quantized GEMM's panels
+(quant.py) takes a second or two at every start, yet its result depends only on the checkpoint's
+bytes, the dtype, the quantization and the kernels' build. So the first start writes it under the
+cache directory, keyed by all four, and later starts map the file and use its tensors in place: no
+split, no pack, and pages shared with the OS page cache (the mapping is private: nothing is written
+back).
+
+One file per entry: 8 bytes of header length, a JSON header (the ModelConfig; per tensor its name,
+dtype, shape and offset; per quantized weight its shape and layout), then the tensors' bytes, each at
+a multiple of 64.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import mmap
+import os
+import struct
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from minivllm.config import cache_dir
+from minivllm.model.kernels import library_key, quant_gemm
+from minivllm.model.loader import ModelConfig, checkpoint_digest
+from minivllm.model.quant import QuantizedWeight
+
+CACHE_VERSION = 1  # bump when what is saved changes
+KEEP_ENTRIES = 6  # the newest entries kept (a model in two dtypes and a few quantizations)
+_ALIGN = 64
+
+State = dict[str, "torch.Tensor | QuantizedWeight"]
+
+
+def cache_file(path: Path, device: torch.device, dtype: torch.dtype, quantization: str) -> Path | None:
+    """Where this model's built weights are cached, or None where there is nothing worth caching:
+    only quantized weights packed for the native kernel cost time to build (float weights are mapped
+    from the checkpoint already)."""
+    if quantization == "none" or quant_gemm(device, dtype) is None:
+        return None
+    key = "-".join([checkpoint_digest(path)[:24], str(dtype).removeprefix("torch."), quantization,
+                    library_key(), f"v{CACHE_VERSION}"])
+    return cache_dir() / "weights" / f"{key}.bin"
+
+
+def load(file: Path) -> tuple[ModelConfig, State] | None:
+    """The config and tensors saved in `file`, mapped in place; None if it is missing or unreadable."""
+    try:
+        with open(file, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        (length,) = struct.unpack_from("<Q", data)
+        header = json.loads(data[8:8 + length])
+        start = _aligned(8 + length)
+        if header.get("version") != CACHE_VERSION:
+            return None
+    except (OSError, ValueError, struct.error):
+        return None
+    os.utime(file)  # recently used: kept by _prune
+    state: State = {}
+    for entry in header["tensors"]:
+        tensor = torch.frombuffer(data, dtype=getattr(torch, entry["dtype"]), count=math.prod(entry["shape"]),
+                                  offset=start + entry["offset"]).view(entry["shape"])
+        if "quantized" in entry:
+            n, k, bits, sub = entry["quantized"]
+            tensor = QuantizedWeight.from_packed(tensor, n, k, bits, sub)
+        for name in entry["names"]:
+            state[name] = tensor
+    return ModelConfig(**header["config"]), state
+
+
+def save(file: Path, config: ModelConfig, state: State) -> None:
+    """Write the entry aside and rename it into place (a reader never sees half a file); a failure to
+    write costs the next start its speed, nothing else."""
+    entries: dict[int, dict] = {}  # one entry per tensor object, under every name that holds it
+    tensors: list[torch.Tensor] = []
+    for name, value in state.items():
+        if id(value) in entries:
+            entries[id(value)]["names"].append(name)
+            continue
+        tensor = value.packed if isinstance(value, QuantizedWeight) else value.detach()
+        entry = {"names": [name], "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+        if isinstance(value, QuantizedWeight):
+            entry["quantized"] = [value.n, value.k, value.bits, value.sub]
+        entries[id(value)] = entry
+        tensors.append(tensor.contiguous())
+    offset = 0  # from the start of the data, which follows the header at the next multiple of _ALIGN
+    for entry, tensor in zip(entries.values(), tensors):
+        entry["offset"] = offset
+        offset += _aligned(tensor.numel() * tensor.element_size())
+    header = json.dumps({"version": CACHE_VERSION, "config": dataclasses.asdict(config),
+                         "tensors": list(entries.values())}).encode()
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=file.parent, prefix=".writing-", delete=False) as f:
+            try:
+                f.write(struct.pack("<Q", len(header)) + header)
+                for tensor in tensors:
+                    f.write(bytes(_aligned(f.tell()) - f.tell()))
+                    f.write(tensor.reshape(-1).view(torch.uint8).numpy())
+                f.flush()
+                os.replace(f.name, file)
+            except BaseException:
+                os.unlink(f.name)
+                raise
+    except OSError as e:
+        warnings.warn(f"minivllm: could not cache the packed weights in {file.parent} ({e}); the next start "
+                      "packs them again")
+        return
+    _prune(file.parent)
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def _prune(directory: Path) -> None:
+    """Keep the KEEP_ENTRIES most recently used entries: each is about the size of the checkpoint."""
+    files = sorted(directory.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in files[KEEP_ENTRIES:]:
+        stale.unlink(missing_ok=True)
