@@ -6,6 +6,7 @@ import time
 from dataclasses import fields
 
 import numpy as np
+import pytest
 
 from minivllm.bench.compare import SystemSummary, replay_engine
 from minivllm.bench.cost_model import TERMS, LinearCost, StepShape, load_profile
@@ -79,8 +80,7 @@ def _run_json(tmp_path, name: str, *args: str) -> dict:
 def test_simulate_writes_bench_compares_layout_and_sizes_replicas(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
-        step=0.004, prefill_tokens=2e-4, decode_seqs=1e-3, padding_tokens=2e-4, decode_context=1e-6,
-        prefill_attention=0.0)}))
+        step=0.004, rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6, prefill_attention=0.0)}))
     res = _run_json(tmp_path, "sim", "simulate", "--profile", str(profile), "--num-prompts", "12",
                     "--request-rate", "4", "--output-dir", str(tmp_path / "out"))
     assert {"workload", "setup", "engine", "summaries"} <= set(res) and res["modeled"] is False
@@ -130,6 +130,22 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     assert {"median", "total"} <= set(res["held_out_error"])
     assert min(cost.coefficients.values()) >= 0
     assert cost.step_time(StepShape(prefill_tokens=64, num_seqs=1)) > 0
+    # The static probe's members finish at drawn lengths: their slots pad decode steps beside live ones.
+    rows = [dict(zip(res["steps"]["columns"], r)) for r in res["steps"]["rows"]]
+    assert any(r["padding_tokens"] and r["decode_seqs"] and not r["prefill_tokens"] for r in rows)
+
+
+def test_padding_costs_a_row_and_an_older_profile_is_refused():
+    cost = LinearCost({"step": 0.005, "rows": 7e-4, "prefill_seqs": 4e-3, "decode_seqs": 3e-4,
+                       "decode_context": 2e-6, "prefill_attention": 6e-7}, "hand-written")
+    live = StepShape(decode_seqs=2, decode_context=300, num_seqs=2)
+    padded = StepShape(decode_seqs=2, decode_context=300, num_seqs=2, padding_tokens=6)
+    prompt = StepShape(prefill_tokens=6, prefill_seqs=1, prefill_attention=21, num_seqs=1)
+    # A padding slot passes through the GEMMs as a prompt token does, and costs nothing else.
+    assert padded.rows == 8 and abs(cost.step_time(padded) - cost.step_time(live) - 6 * 7e-4) < 1e-12
+    assert cost.step_time(prompt) > cost.step_time(StepShape(padding_tokens=6)) > cost.step_time(StepShape())
+    with pytest.raises(ValueError, match="rerun `minivllm bench calibrate`"):
+        LinearCost({"step": 0.005, "prefill_tokens": 7e-4, "padding_tokens": 1e-3}, "an older profile")
 
 
 def test_final_only_outputs_come_once_when_finished():
@@ -140,7 +156,7 @@ def test_final_only_outputs_come_once_when_finished():
     from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
     _, model_config = load_tokenizer(None)
-    cost = LinearCost({"step": 0.01, "decode_seqs": 0.001, "prefill_tokens": 1e-4}, "hand-written")
+    cost = LinearCost(dict.fromkeys(TERMS, 0.0) | {"step": 0.01, "decode_seqs": 0.001, "rows": 1e-4}, "hand-written")
     engine, _ = simulated_engine(EngineConfig(num_kv_blocks=16), model_config, cost)
     engine.add_request("final", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True,
                                                           output_kind=RequestOutputKind.FINAL_ONLY))
@@ -169,7 +185,7 @@ def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
     assert whole == 100 * 101 // 2 == sum(chunk(c, 25).prefill_attention for c in range(0, 100, 25))
 
     rng = np.random.default_rng(0)
-    truth = dict(zip(TERMS, [0.02, 1.5e-3, 4e-3, 2e-3, 1.6e-3, 2e-6, 5e-7]))
+    truth = dict(zip(TERMS, [0.02, 1.5e-3, 4e-3, 2e-3, 2e-6, 5e-7]))
     groups = []
     for _ in range(5):
         shapes = [StepShape(prefill_tokens=int(p), prefill_seqs=int(k), decode_seqs=int(d), padding_tokens=int(pad),
