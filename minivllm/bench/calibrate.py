@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 from tqdm import tqdm
 
-from minivllm.bench.cost_model import FitError, LinearCost, StepShape, fit_linear, held_out_error
+from minivllm.bench.cost_model import INTERFERED, FitError, LinearCost, StepShape, fit_linear, held_out_error
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import SchedulerOutput
@@ -119,6 +119,7 @@ class Calibration:
     fit_error: FitError  # on the steps it was fitted to
     held_out_error: FitError  # each probe's steps, predicted by a fit to the other probes
     steps: list[tuple[int, StepShape, float]]  # (probe, shape, seconds) of every measured step
+    num_interfered: int  # steps left out of the fit and its errors: slowed by something else
 
     def steps_dict(self) -> dict:
         """The measured steps, columns and rows, so that a profile can be refitted or checked later."""
@@ -155,5 +156,12 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
     for engine in engines.values():
         engine.close()
     cost.label = label
-    return Calibration(cost, FitError.of([cost.step_time(s) for s in shapes], seconds), held_out_error(groups),
-                       [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)])
+    # The errors are on the steps the fit kept: a step slowed by something else is no shape's cost.
+    clean = []
+    for g in groups:
+        kept = [(s, t) for s, t in zip(*g) if t <= INTERFERED * cost.step_time(s)]
+        clean.append(([s for s, _ in kept], [t for _, t in kept]))
+    kept_shapes, kept_seconds = [s for g in clean for s in g[0]], [t for g in clean for t in g[1]]
+    return Calibration(cost, FitError.of([cost.step_time(s) for s in kept_shapes], kept_seconds),
+                       held_out_error([g for g in clean if g[0]]),
+                       [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)], len(seconds) - len(kept_seconds))
