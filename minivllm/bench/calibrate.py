@@ -2,7 +2,8 @@
 fit the simulator's linear cost model (cost_model.LinearCost) to them.
 
 A probe is a batch of requests. Arriving together, its steps sweep prefill chunks, then decodes over
-a context that grows every step; a static-batching probe adds padding. Arriving one every few steps
+a context that grows every step; a static-batching probe, of drawn lengths, pads its prompts and then
+keeps its finished members' slots computing beside the live ones. Arriving one every few steps
 (`stagger`), with lengths drawn below the probe's, its steps mix prefill chunks of several sizes with
 decodes at spread-out contexts: the steps that serving traffic runs, which batches that arrive
 together never show. What is timed is the whole `LLMEngine.step()` (schedule, inputs, forward,
@@ -15,9 +16,11 @@ import time
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
-from minivllm.bench.cost_model import FitError, LinearCost, StepShape, fit_linear, held_out_error
+from minivllm.bench.cost_model import (INTERFERED, FitError, GemmSplit, LinearCost, StepShape, fit_linear,
+                                       held_out_error)
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import SchedulerOutput
@@ -29,23 +32,33 @@ class Probe:
     num_seqs: int
     prompt_len: int
     output_len: int
-    static: bool = False  # static batching: prompts of mixed lengths, padded
+    static: bool = False  # static batching: prompt and output lengths drawn, padded
     stagger: int = 0  # > 0: one request every `stagger` steps, lengths drawn in [1/4, 1] of the probe's
     max_num_batched_tokens: int | None = None  # a budget of its own: chunks beside decodes at long contexts
 
 
 # (sequences, prompt tokens, output tokens): prefill sizes from a few tokens to a full budget, decode
-# batches from 1 to 64 at short and long contexts, then staggered arrivals (mixed steps).
+# batches from 1 to 64 at short and long contexts (the small ones, which serving at a low rate runs
+# most, over many steps), static batches whose finished members pad the decode steps, then staggered
+# arrivals (mixed steps).
 GRIDS = {
     "default": [Probe(1, 16, 24), Probe(1, 512, 24), Probe(1, 2000, 8), Probe(4, 256, 48), Probe(8, 64, 64),
                 Probe(16, 128, 64), Probe(32, 32, 48), Probe(64, 16, 32), Probe(16, 1000, 32), Probe(64, 200, 24),
-                Probe(8, 200, 48, static=True), Probe(4, 480, 32, static=True),
+                Probe(2, 384, 128), Probe(6, 96, 128),
+                Probe(8, 200, 48, static=True), Probe(4, 480, 32, static=True), Probe(10, 300, 160, static=True),
+                Probe(24, 96, 64, static=True),
                 Probe(24, 128, 64, stagger=3), Probe(16, 512, 160, stagger=8), Probe(40, 256, 96, stagger=2),
                 Probe(12, 1024, 64, stagger=6, max_num_batched_tokens=256),
                 Probe(8, 1536, 48, stagger=4, max_num_batched_tokens=128)],
     "tiny": [Probe(1, 16, 4), Probe(4, 64, 6), Probe(3, 40, 4, static=True),
              Probe(4, 48, 6, stagger=2, max_num_batched_tokens=16)],
 }
+
+
+# Run before timing, so that one-time setup is not a step's cost. The default grid's is a batch of
+# prefills and decodes: with one 16-token request as the warm-up (2026-11-30), the first probes ran
+# 20-37 % slower on the first pass over the grid than on the second.
+WARM_UPS = {"default": Probe(8, 256, 8), "tiny": Probe(1, 16, 2)}
 
 
 class ShapeRecorder:
@@ -69,7 +82,7 @@ def _requests(probe: Probe, vocab: int, rng: np.random.Generator) -> list[tuple[
     requests = []
     for _ in range(probe.num_seqs):
         n = int(rng.integers(probe.prompt_len // 4, probe.prompt_len + 1)) if drawn else probe.prompt_len
-        out = int(rng.integers(max(1, probe.output_len // 4), probe.output_len + 1)) if probe.stagger else probe.output_len
+        out = int(rng.integers(max(1, probe.output_len // 4), probe.output_len + 1)) if drawn else probe.output_len
         requests.append((rng.integers(0, vocab, n).tolist(),
                          SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True,
                                         output_kind=RequestOutputKind.FINAL_ONLY)))
@@ -108,6 +121,7 @@ class Calibration:
     fit_error: FitError  # on the steps it was fitted to
     held_out_error: FitError  # each probe's steps, predicted by a fit to the other probes
     steps: list[tuple[int, StepShape, float]]  # (probe, shape, seconds) of every measured step
+    num_interfered: int  # steps left out of the fit and its errors: slowed by something else
 
     def steps_dict(self) -> dict:
         """The measured steps, columns and rows, so that a profile can be refitted or checked later."""
@@ -124,8 +138,8 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
                                          max_num_batched_tokens=budget))
                for static in {p.static for p in probes}}
     rng = np.random.default_rng(0)
-    for engine in engines.values():  # warm-up: one-time setup is not a step's cost
-        run_probe(engine, Probe(1, 16, 2), rng)
+    for engine in engines.values():
+        run_probe(engine, WARM_UPS[grid], rng)
     groups = [([], []) for _ in probes]  # per probe (its repeats together): shapes, seconds
     for i in tqdm([i for _ in range(repeats) for i in range(len(probes))], desc="calibrating",
                   disable=not show_progress):
@@ -137,12 +151,20 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
         groups[i][1].extend(t)
     shapes = [s for g in groups for s in g[0]]
     seconds = [t for g in groups for t in g[1]]
-    cost = LinearCost(fit_linear(shapes, seconds), "")
     engine = next(iter(engines.values()))
+    split = GemmSplit(64 if engine.runner.model.quantized_weights() else 96, torch.get_num_threads())
+    cost = LinearCost(fit_linear(shapes, seconds, split), "", split)
     label = (f"calibrated: {config.model or 'SmolLM2-135M-Instruct (default GGUF)'} on {engine.device_name}, "
              f"{str(engine.dtype).removeprefix('torch.')}")
     for engine in engines.values():
         engine.close()
     cost.label = label
-    return Calibration(cost, FitError.of([cost.step_time(s) for s in shapes], seconds), held_out_error(groups),
-                       [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)])
+    # The errors are on the steps the fit kept: a step slowed by something else is no shape's cost.
+    clean = []
+    for g in groups:
+        kept = [(s, t) for s, t in zip(*g) if t <= INTERFERED * cost.step_time(s)]
+        clean.append(([s for s, _ in kept], [t for _, t in kept]))
+    kept_shapes, kept_seconds = [s for g in clean for s in g[0]], [t for g in clean for t in g[1]]
+    return Calibration(cost, FitError.of([cost.step_time(s) for s in kept_shapes], kept_seconds),
+                       held_out_error([g for g in clean if g[0]], split),
+                       [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)], len(seconds) - len(kept_seconds))

@@ -7,7 +7,9 @@
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -32,6 +34,11 @@ class StepShape:
     # tokens after c computed ones has n*c + n(n+1)/2 (chunking a prompt does not change its total)
     num_seqs: int = 0  # sequences in the step (each samples or is a chunk)
 
+    @property
+    def rows(self) -> int:
+        """Rows through the GEMMs: every token the step computes, padding included."""
+        return self.prefill_tokens + self.decode_seqs + self.padding_tokens
+
     @classmethod
     def of(cls, sched: SchedulerOutput) -> StepShape:
         shape = cls(padding_tokens=sched.num_padding_tokens, num_seqs=len(sched.scheduled))
@@ -48,50 +55,105 @@ class StepShape:
         return shape
 
 
+@dataclass(frozen=True)
+class GemmSplit:
+    """How the native GEMMs share a step's rows between threads: (block of `row_block` rows, column
+    panel) pairs, in order, split evenly by OpenMP's static schedule, so that the step waits for the
+    thread with the most rows. Up to one block, the threads share its panels evenly; just past it,
+    one thread takes the whole first block and the other the few rows left (on 2 threads, a 72-row
+    prefill step measured 86 ms beside 64 ms at 64 rows). Blocks: quant_gemm.c's QROW_BLOCK (64) for
+    quantized weights, gemm.c's ROW_BLOCK (96) for bf16 ones."""
+
+    row_block: int
+    threads: int
+
+    def busiest(self, rows: int) -> float:
+        return _busiest(rows, self.row_block, self.threads)
+
+
+@functools.lru_cache(maxsize=4096)  # a step's time is asked millions of times, of a few thousand sizes
+def _busiest(rows: int, row_block: int, threads: int) -> float:
+    """Rows the busiest thread computes: thread t takes blocks [t, t + 1) * blocks / threads, a block
+    it shares counting for its share of the block's panels (and so of its rows)."""
+    blocks = -(-rows // row_block)
+    sizes = [min(row_block, rows - b * row_block) for b in range(blocks)]
+    share = blocks / threads
+    return max(sum((min(hi, b + 1) - max(lo, b)) * sizes[b] for b in range(int(lo), min(blocks, math.ceil(hi))))
+               for lo, hi in ((t * share, (t + 1) * share) for t in range(threads)))
+
+
 # The linear model's terms: a constant per step, then counts of the step's work. What each costs:
 #   step               the fixed part: weights streamed once, per-layer launches, the step's Python
-#   prefill_tokens     a prompt token through the GEMMs
+#   rows               a row of the step's tokens: a prompt token, a decode, or static batching's padding
+#                      (which computes nothing else: it attends to nothing and is not sampled)
+#   gemm_rows          a row on the busiest thread of the GEMMs (GemmSplit): what the GEMMs wait for
 #   prefill_seqs       a prefill chunk's own overhead (its attention span, its inputs and logits row)
-#   decode_seqs        a decode: one GEMM row, one attention span, sampling, detokenizing, bookkeeping
-#   padding_tokens     static batching's wasted rows
+#   decode_seqs        a decode beyond its row: its attention span, logits row, sampling, detokenizing
 #   decode_context     a K/V token read by a decode's attention
 #   prefill_attention  a (query, K/V token) pair of a prefill chunk: prefill's quadratic attention
-TERMS = ("step", "prefill_tokens", "prefill_seqs", "decode_seqs", "padding_tokens", "decode_context",
-         "prefill_attention")
+# Padding is a row and nothing more, by construction: a term of its own was fitted from the few
+# padded steps of the probes and came out dearer than a decode (calibration of 2026-11-30).
+TERMS = ("step", "rows", "gemm_rows", "prefill_seqs", "decode_seqs", "decode_context", "prefill_attention")
 
 
-def features(shape: StepShape) -> list[float]:
-    return [1.0, shape.prefill_tokens, shape.prefill_seqs, shape.decode_seqs, shape.padding_tokens,
-            shape.decode_context, shape.prefill_attention]
+def features(shape: StepShape, split: GemmSplit) -> list[float]:
+    return [1.0, shape.rows, split.busiest(shape.rows), shape.prefill_seqs, shape.decode_seqs, shape.decode_context,
+            shape.prefill_attention]
 
 
 @dataclass
 class LinearCost:
     """seconds = sum of coefficient x term, fitted to measured steps."""
 
-    coefficients: dict[str, float]  # a profile without a term (an older one) costs it nothing
+    coefficients: dict[str, float]  # one per term of TERMS
     label: str  # what was measured: device, model, dtype
+    split: GemmSplit
     modeled: bool = False
 
     def __post_init__(self) -> None:
-        self._weights = [self.coefficients.get(t, 0.0) for t in TERMS]
+        if set(self.coefficients) != set(TERMS):  # a term missing would cost nothing, silently
+            raise ValueError(f"a calibrated profile's coefficients must be {', '.join(TERMS)}; got "
+                             f"{', '.join(self.coefficients)} (an older profile: rerun `minivllm bench calibrate`)")
+        self._weights = [self.coefficients[t] for t in TERMS]
 
     def step_time(self, shape: StepShape) -> float:
         # Plain Python: a numpy call per step costs more than the sum of seven products.
-        return sum(w * x for w, x in zip(self._weights, features(shape)))
+        return sum(w * x for w, x in zip(self._weights, features(shape, self.split)))
 
     def to_dict(self) -> dict:
-        return {"kind": "calibrated", "label": self.label, "coefficients": self.coefficients}
+        return {"kind": "calibrated", "label": self.label, "coefficients": self.coefficients,
+                "gemm_split": asdict(self.split)}
 
 
-def fit_linear(shapes: list[StepShape], seconds: list[float]) -> dict[str, float]:
-    """Least squares on relative error (a decode step counts as much as a long prefill), with no
-    negative coefficient: a term that comes out negative is dropped and the rest refitted."""
-    x = np.array([features(s) for s in shapes], dtype=float)
+# A step measured at more than this many times its fitted time was slowed by something else on the
+# machine (on 2 shared cores, 27 ms steps were seen taking 2.9 s): no shape explains it, so the fit
+# leaves it out. Interference only ever slows a step, so only the slow side is cut.
+INTERFERED = 2.0
+
+
+def fit_linear(shapes: list[StepShape], seconds: list[float], split: GemmSplit) -> dict[str, float]:
+    """Least squares with each step's error weighted by 1/sqrt(its time), with no negative coefficient
+    (a term that comes out negative is dropped and the rest refitted), refitted without the steps
+    that took over INTERFERED times their fitted time until none is left. The weight sits between
+    the absolute error (thousands of decode steps would count for nothing beside a few long
+    prefills) and the relative one (the long steps, which are few, come out short: on this
+    machine's probes, each probe predicted by a fit to the others, the total was 6 % under with
+    1/time and 2 % with 1/sqrt(time), and the median step error lower too)."""
+    x = np.array([features(s, split) for s in shapes], dtype=float)
     y = np.array(seconds, dtype=float)
+    kept = np.ones(len(y), dtype=bool)
+    while True:
+        coef = _fit_nonnegative(x[kept], y[kept])
+        slow = y > INTERFERED * (x @ coef)
+        if not (slow & kept).any():
+            return {t: float(c) for t, c in zip(TERMS, coef)}
+        kept &= ~slow
+
+
+def _fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     scale = x.max(axis=0)
     scale[scale == 0] = 1.0
-    xs, w = x / scale, 1.0 / y
+    xs, w = x / scale, 1.0 / np.sqrt(y)
     active = [i for i in range(len(TERMS)) if x[:, i].any()]
     while True:
         coef, *_ = np.linalg.lstsq(xs[:, active] * w[:, None], y * w, rcond=None)
@@ -100,7 +162,7 @@ def fit_linear(shapes: list[StepShape], seconds: list[float]) -> dict[str, float
         del active[int(np.argmin(coef))]
     full = np.zeros(len(TERMS))
     full[active] = coef / scale[active]
-    return {t: float(c) for t, c in zip(TERMS, full)}
+    return full
 
 
 @dataclass
@@ -116,13 +178,13 @@ class FitError:
         return cls(float(np.median(np.abs(p - y) / y)), float((p.sum() - y.sum()) / y.sum()))
 
 
-def held_out_error(groups: list[tuple[list[StepShape], list[float]]]) -> FitError:
+def held_out_error(groups: list[tuple[list[StepShape], list[float]]], split: GemmSplit) -> FitError:
     """Each group (a probe's steps) predicted by a fit to all the other groups: the error on steps
     the fit has not seen, which the error on the fitted steps understates."""
     predicted, measured = [], []
     for i, (shapes, seconds) in enumerate(groups):
         rest = [g for j, g in enumerate(groups) if j != i]
-        cost = LinearCost(fit_linear([s for g in rest for s in g[0]], [t for g in rest for t in g[1]]), "")
+        cost = LinearCost(fit_linear([s for g in rest for s in g[0]], [t for g in rest for t in g[1]], split), "", split)
         predicted += [cost.step_time(s) for s in shapes]
         measured += seconds
     return FitError.of(predicted, measured)
@@ -208,7 +270,7 @@ class RooflineCost:
 
     def step_time(self, shape: StepShape) -> float:
         m, tp = self.model, self.tensor_parallel_size
-        tokens = shape.prefill_tokens + shape.decode_seqs + shape.padding_tokens
+        tokens = shape.rows
         q_dim = m.num_attention_heads * m.head_dim
         attention = 4 * m.num_hidden_layers * q_dim * (shape.decode_context + shape.prefill_attention)
         flops = 2 * self.layer_params * tokens + 2 * m.vocab_size * m.hidden_size * shape.num_seqs + attention
@@ -232,7 +294,7 @@ def roofline(gpu: str, model: str, tensor_parallel_size: int = 1) -> RooflineCos
 def load_profile(path: str) -> CostModel:
     data = json.loads(Path(path).read_text())
     if data.get("kind") == "calibrated":
-        return LinearCost(data["coefficients"], data["label"])
+        return LinearCost(data["coefficients"], data["label"], GemmSplit(**data["gemm_split"]))
     if data.get("kind") == "modeled":
         return RooflineCost(GpuSpec(**data["gpu"]), ModelConfig(**data["model"]), data["model_name"],
                             data["tensor_parallel_size"])

@@ -151,16 +151,19 @@ def _validate(args: argparse.Namespace, config: EngineConfig, model_config, cost
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from minivllm.bench.calibrate import calibrate
+    from minivllm.bench.cost_model import INTERFERED
 
     config = EngineConfig.from_cli_args(args)
     cal = calibrate(config, args.grid, args.repeats, not args.disable_tqdm)
     cost, fit, held = cal.cost, cal.fit_error, cal.held_out_error
-    print(f"{cost.label}: {len(cal.steps)} steps")
+    print(f"{cost.label}: {len(cal.steps)} steps, {cal.num_interfered} left out (over {INTERFERED:g} times their "
+          f"fitted time: slowed by something else on the machine)")
     print("seconds per step = " + " + ".join(f"{c:.3g} x {t}" for t, c in cost.coefficients.items()))
     print(f"error per step (median) / of the total time: fitted steps {fit.median:.1%} / {fit.total:+.1%}, "
           f"held-out probes {held.median:.1%} / {held.total:+.1%}")
     write_json(args.output_json, cost.to_dict() | {"fit_error": asdict(fit), "held_out_error": asdict(held),
-                                                   "num_steps": len(cal.steps), "steps": cal.steps_dict()})
+                                                   "num_steps": len(cal.steps), "num_interfered": cal.num_interfered,
+                                                   "steps": cal.steps_dict()})
 
 
 def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
