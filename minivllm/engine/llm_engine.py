@@ -14,6 +14,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +60,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
     if hit is not None:
         model_config, state = hit
         return model_config, LlamaForCausalLM.from_state(model_config, state, device)
+    if cached is not None:
+        print(f"minivllm: packing the weights once into {cached.parent} ...", file=sys.stderr, flush=True)
     # Decoded straight into the model's dtype, or kept quantized.
     model_config, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
     model = LlamaForCausalLM.from_weights(model_config, weights, device, dtype, quantization)

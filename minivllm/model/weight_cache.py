@@ -13,6 +13,7 @@ a multiple of 64.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -49,28 +50,30 @@ def cache_file(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
 
 
 def load(file: Path) -> tuple[ModelConfig, State] | None:
-    """The config and tensors saved in `file`, mapped in place; None if it is missing or unreadable."""
+    """The config and tensors saved in `file`, mapped in place; None if it is missing, cut short or
+    of another version."""
     try:
         with open(file, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         (length,) = struct.unpack_from("<Q", data)
         header = json.loads(data[8:8 + length])
-        start = _aligned(8 + length)
         if header.get("version") != CACHE_VERSION:
             return None
-    except (OSError, ValueError, struct.error):
+        start = _aligned(8 + length)
+        state: State = {}
+        for entry in header["tensors"]:
+            tensor = torch.frombuffer(data, dtype=getattr(torch, entry["dtype"]), count=math.prod(entry["shape"]),
+                                      offset=start + entry["offset"]).view(entry["shape"])
+            if "quantized" in entry:
+                tensor = QuantizedWeight.from_packed(tensor, *entry["quantized"])
+            for name in entry["names"]:
+                state[name] = tensor
+        config = ModelConfig(**header["config"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
-    os.utime(file)  # recently used: kept by _prune
-    state: State = {}
-    for entry in header["tensors"]:
-        tensor = torch.frombuffer(data, dtype=getattr(torch, entry["dtype"]), count=math.prod(entry["shape"]),
-                                  offset=start + entry["offset"]).view(entry["shape"])
-        if "quantized" in entry:
-            n, k, bits, sub = entry["quantized"]
-            tensor = QuantizedWeight.from_packed(tensor, n, k, bits, sub)
-        for name in entry["names"]:
-            state[name] = tensor
-    return ModelConfig(**header["config"]), state
+    with contextlib.suppress(OSError):
+        os.utime(file)  # recently used: kept by _prune
+    return config, state
 
 
 def save(file: Path, config: ModelConfig, state: State) -> None:
@@ -120,6 +123,7 @@ def _aligned(size: int) -> int:
 
 def _prune(directory: Path) -> None:
     """Keep the KEEP_ENTRIES most recently used entries: each is about the size of the checkpoint."""
-    files = sorted(directory.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in files[KEEP_ENTRIES:]:
-        stale.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # another process pruning at the same time
+        files = sorted(directory.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for stale in files[KEEP_ENTRIES:]:
+            stale.unlink(missing_ok=True)
