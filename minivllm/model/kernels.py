@@ -284,7 +284,7 @@ class LayerOps:
         if not fmt.quantized:
             self._write_kv(*args)
             return
-        self.quantized_write_kv(fmt)(*args, cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), 1.0 / fmt.qmax,
+        self.quantized_write_kv(fmt)(*args, cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), fmt.inv_qmax,
                                      fmt.qmax)
 
     def quantized_write_kv(self, fmt: KVFormat):

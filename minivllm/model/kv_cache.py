@@ -45,6 +45,11 @@ class KVFormat:
     def quantized(self) -> bool:
         return self.storage is not None
 
+    @property
+    def inv_qmax(self) -> float:
+        """A token's scale is amax * inv_qmax, in float32, in the kernels and the twin alike."""
+        return 1.0 / self.qmax
+
     def value_bytes(self, model_dtype: torch.dtype) -> int:
         return (self.storage or model_dtype).itemsize
 
@@ -114,7 +119,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
     """x [tokens, kv_heads, head_dim] -> (values in fmt.storage, same shape; scales [tokens, kv_heads]
     float32), one scale per token and head, exactly as csrc/layer_ops.c write_kv computes them."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) * torch.tensor(1.0 / fmt.qmax, dtype=torch.float32)
+    scale = xf.abs().amax(dim=-1) * torch.tensor(fmt.inv_qmax, dtype=torch.float32)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     y = (xf * inv[..., None]).clamp(-fmt.qmax, fmt.qmax)
     q = y.round().to(torch.int8) if fmt.float8 is None else y.to(fmt.float8).view(torch.uint8)

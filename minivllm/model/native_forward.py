@@ -99,5 +99,5 @@ class NativeForward:
             self._caches = (kv_caches, arrays)
             write = self._ops.quantized_write_kv(fmt) if fmt.quantized else None
             self._model.write_kv_quant = _address(write)
-            self._model.kv_inv_qmax, self._model.kv_qmax = (1.0 / fmt.qmax, fmt.qmax) if fmt.quantized else (0.0, 0.0)
+            self._model.kv_inv_qmax, self._model.kv_qmax = (fmt.inv_qmax, fmt.qmax) if fmt.quantized else (0.0, 0.0)
         return self._caches[1]
