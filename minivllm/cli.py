@@ -47,6 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                for p in args.prompt]
     for out in llm.generate(prompts, params, use_tqdm=False):
         print(out.outputs[0].text)
+    llm.engine.close()  # what the exit would do: the trace written out, tensor-parallel workers stopped
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -231,6 +232,12 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         print(f"minivllm: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if argv is None and args.func is cmd_generate:
+        # A one-shot command owning its process is done once its output is out: skip the interpreter's
+        # teardown, where torch's alone takes ~0.4 s (a fifth of the command's wall time).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
