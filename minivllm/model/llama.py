@@ -261,12 +261,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         for name, value in state.items():
-            module_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            if isinstance(value, QuantizedWeight):
-                module.set_quantized(value)
-            else:
-                setattr(module, attr, nn.Parameter(value, requires_grad=False))
+            model._hold(name, value)
         model._tie_embeddings()
         return model._placed(device)
 
@@ -348,17 +343,25 @@ class LlamaForCausalLM(nn.Module):
         if tuple(expected[name].shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model "
                              f"{tuple(expected[name].shape)}")
-        module_name, _, attr = name.rpartition(".")
-        module = self.get_submodule(module_name)
-        if isinstance(module, (Linear, Embedding)) and attr == "weight" and quantization != "none":
+        module = self.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, (Linear, Embedding)) and name.endswith(".weight") and quantization != "none":
             if quantization in ("int8", "int4"):
                 # The embedding / LM head stays int8 under int4: the logits are where 4 bits cost most.
                 scheme = "int8" if isinstance(module, Embedding) or name == "lm_head.weight" else quantization
                 tensor = quantize(_float(tensor), scheme)
             if isinstance(tensor, QuantizedTensor):
-                module.set_quantized(QuantizedWeight(tensor))
+                self._hold(name, QuantizedWeight.of(tensor))
                 return
-        setattr(module, attr, nn.Parameter(_float(tensor).to(dtype), requires_grad=False))
+        self._hold(name, _float(tensor).to(dtype))
+
+    def _hold(self, name: str, value: torch.Tensor | QuantizedWeight) -> None:
+        """Make `value` the weight `name`: a parameter, or its module's quantized weight."""
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if isinstance(value, QuantizedWeight):
+            module.set_quantized(value)
+        else:
+            setattr(module, attr, nn.Parameter(value, requires_grad=False))
 
 
 def _float(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:

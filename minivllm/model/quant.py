@@ -13,6 +13,7 @@ each group is an exact integer dot product; a row's result depends on that row a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -182,26 +183,24 @@ def linear_twin(x: torch.Tensor, t: QuantizedTensor, bias: torch.Tensor | None =
     return out.to(x.dtype)
 
 
+@dataclass(eq=False)  # compared by identity: a tied embedding and LM head share one object
 class QuantizedWeight:
     """A linear layer's quantized weight, held the way its compute path wants it: packed for the native
     kernel (only that copy is kept: the memory target), or as a QuantizedTensor for the torch twin.
     An embedding tied to the LM head shares the object and reads its rows from it."""
-
-    def __init__(self, tensor: QuantizedTensor) -> None:
-        self.n, self.k = tensor.shape
-        self.bits, self.sub = tensor.bits, tensor.sub
-        self.tensor: QuantizedTensor | None = tensor
-        self.packed: torch.Tensor | None = None
-        self.kernel = None  # kernels.QuantGemm, or None: the twin
-        self.dtype = torch.float32  # of the activations, and of the rows an embedding reads
+    n: int
+    k: int
+    bits: int
+    sub: int
+    tensor: QuantizedTensor | None = None  # for the torch twin
+    packed: torch.Tensor | None = None  # for the native kernel (quant.pack; weight_cache.py maps it back)
+    kernel: Any = None  # kernels.QuantGemm, or None: the twin
+    dtype: torch.dtype = torch.float32  # of the activations, and of the rows an embedding reads
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, n: int, k: int, bits: int, sub: int) -> "QuantizedWeight":
-        """A weight already in the kernel's layout (weight_cache.py), for `use_kernel` to take as it is."""
-        weight = cls.__new__(cls)
-        weight.n, weight.k, weight.bits, weight.sub = n, k, bits, sub
-        weight.tensor, weight.packed, weight.kernel, weight.dtype = None, packed, None, torch.float32
-        return weight
+    def of(cls, tensor: QuantizedTensor) -> "QuantizedWeight":
+        n, k = tensor.shape
+        return cls(n, k, tensor.bits, tensor.sub, tensor)
 
     def use_kernel(self, kernel, dtype: torch.dtype) -> None:
         if kernel is not None and self.packed is None:

@@ -65,7 +65,7 @@ def load(file: Path) -> tuple[ModelConfig, State] | None:
             tensor = torch.frombuffer(data, dtype=getattr(torch, entry["dtype"]), count=math.prod(entry["shape"]),
                                       offset=start + entry["offset"]).view(entry["shape"])
             if "quantized" in entry:
-                tensor = QuantizedWeight.from_packed(tensor, *entry["quantized"])
+                tensor = QuantizedWeight(*entry["quantized"], packed=tensor)
             for name in entry["names"]:
                 state[name] = tensor
         config = ModelConfig(**header["config"])
@@ -97,13 +97,14 @@ def save(file: Path, config: ModelConfig, state: State) -> None:
         offset += _aligned(tensor.numel() * tensor.element_size())
     header = json.dumps({"version": CACHE_VERSION, "config": dataclasses.asdict(config),
                          "tensors": list(entries.values())}).encode()
+    start = _aligned(8 + len(header))
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=file.parent, prefix=".writing-", delete=False) as f:
             try:
                 f.write(struct.pack("<Q", len(header)) + header)
-                for tensor in tensors:
-                    f.write(bytes(_aligned(f.tell()) - f.tell()))
+                for entry, tensor in zip(entries.values(), tensors):
+                    f.seek(start + entry["offset"])  # the gap reads as zeros
                     f.write(tensor.reshape(-1).view(torch.uint8).numpy())
                 f.flush()
                 os.replace(f.name, file)
