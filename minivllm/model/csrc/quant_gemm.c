@@ -36,7 +36,8 @@ static inline int block_bytes(int bits, int sub) { return weight_bytes(bits) + s
 #include <immintrin.h>
 
 #define QPANEL 16     /* output columns per panel: one vector of 16 int32 / float32 */
-#define QMAX_ROWS 8   /* rows per tile: 8 accumulators + 8 weight vectors + scales fit the registers */
+#define QMAX_ROWS 8   /* rows per one-panel tile: 8 accumulators + 8 weight vectors + scales fit the registers */
+#define QPAIR_ROWS 6  /* rows per two-panel tile: 12 accumulators + 12 integer sums + 4 weight vectors */
 #define QROW_BLOCK 64 /* rows of x a thread works through per panel, while the panel sits in L1/L2 */
 
 static inline int64_t qmin64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -46,24 +47,30 @@ static inline int64_t qmin64(int64_t a, int64_t b) { return a < b ? a : b; }
  * half (for sub 2). */
 #define META 4
 
-/* x [M, K] (float32 or bf16, row stride ldx) -> x8 [M, K] int8 and meta [M, K / 32, META]. */
-#define QUANTIZE_ROWS(S, T, LOAD)                                                                  \
+/* 16 activations as float32 vectors, from either dtype. */
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* x [M, K] (float32 or bf16, row stride ldx) -> x8 [M, K] int8 and meta [M, K / 32, META]. Vectorized:
+ * a scalar loop cost as much as a quarter of a 64-row GEMM. The max and the integer sums are exact, and
+ * the vector rounding is lrintf's (to nearest even), so the bits are those of the scalar definition. */
+#define QUANTIZE_ROWS(S, T)                                                                        \
 static void quantize_rows_##S(const T *x, int64_t ldx, int64_t M, int64_t K, int8_t *x8, float *meta) { \
     _Pragma("omp for schedule(static)")                                                            \
     for (int64_t r = 0; r < M; r++)                                                                \
         for (int64_t b = 0; b < K / 32; b++) {                                                     \
-            float v[32], amax = 0.f;                                                               \
-            for (int j = 0; j < 32; j++) {                                                         \
-                v[j] = LOAD(x[r * ldx + b * 32 + j]);                                              \
-                amax = fmaxf(amax, fabsf(v[j]));                                                   \
-            }                                                                                      \
+            const __m512 lo = load16_##S(x + r * ldx + b * 32), hi = load16_##S(x + r * ldx + b * 32 + 16); \
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))); \
             const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;                 \
-            int sum_lo = 0, sum_hi = 0;                                                            \
+            const __m512 vinv = _mm512_set1_ps(inv);                                               \
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));                       \
+            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));                       \
             int8_t *q = x8 + r * K + b * 32;                                                       \
-            for (int j = 0; j < 32; j++) {                                                         \
-                q[j] = (int8_t)lrintf(v[j] * inv);                                                 \
-                if (j < 16) sum_lo += q[j]; else sum_hi += q[j];                                   \
-            }                                                                                      \
+            _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qlo));                             \
+            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qhi));                      \
+            const int sum_lo = _mm512_reduce_add_epi32(qlo), sum_hi = _mm512_reduce_add_epi32(qhi); \
             float *m = meta + (r * (K / 32) + b) * META;                                           \
             m[0] = dx;                                                                             \
             m[1] = dx * (float)(sum_lo + sum_hi);                                                  \
@@ -72,8 +79,8 @@ static void quantize_rows_##S(const T *x, int64_t ldx, int64_t M, int64_t K, int
         }                                                                                          \
 }
 
-QUANTIZE_ROWS(f32, float, f32_load)
-QUANTIZE_ROWS(bf16, uint16_t, bf16_to_float)
+QUANTIZE_ROWS(f32, float)
+QUANTIZE_ROWS(bf16, uint16_t)
 
 static inline __m512i bcast4(const int8_t *p) {
     int32_t v;
@@ -91,11 +98,63 @@ static inline __attribute__((always_inline)) __m512i dot_groups(const __m512i *w
     return _mm512_add_epi32(even, odd);  /* integer: exact in any order */
 }
 
-/* acc[r] (16 columns) for `rows` rows over all K / 32 blocks of one panel. */
-static inline __attribute__((always_inline)) void qtile(
-        const int8_t *x8, const float *meta, int64_t K, const uint8_t *panel, int bits, int sub,
-        int rows, __m512 *acc) {
-    const int64_t blocks = K / 32, stride = block_bytes(bits, sub);
+/* acc[r * np + p] (16 columns each) for `rows` rows over all K / 32 blocks of np (1 or 2) panels `panel_bytes`
+ * apart, with one (d, m) per 32 k (sub 1). Two panels share each activation broadcast and scale load, and
+ * the dpbusd chains run group-major over rows and panels: rows * np independent chains. A row's sum for a
+ * column is the same integers and the same two float steps per block whatever the tile, so its bits do
+ * not depend on np or on the rows beside it. */
+static inline __attribute__((always_inline)) void qtile_sub1(
+        const int8_t *x8, const float *meta, int64_t K, const uint8_t *panel, int64_t panel_bytes, int np,
+        int bits, int rows, __m512 *acc) {
+    const int64_t blocks = K / 32, stride = block_bytes(bits, 1);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < rows * np; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i isum[2 * QMAX_ROWS];
+        for (int i = 0; i < rows * np; i++) isum[i] = _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++) {
+            __m512i lo[2], hi[2];  /* groups t and t + 4 of each panel */
+            for (int p = 0; p < np; p++) {
+                const uint8_t *blk = panel + p * panel_bytes + b * stride;
+                if (t == 0 && rows <= 2) _mm_prefetch((const char *)blk + 8 * stride, _MM_HINT_T0);
+                if (bits == 8) {
+                    lo[p] = _mm512_loadu_si512(blk + 64 * t);
+                    hi[p] = _mm512_loadu_si512(blk + 64 * (t + 4));
+                } else {
+                    const __m512i v = _mm512_loadu_si512(blk + 64 * t);
+                    lo[p] = _mm512_and_si512(v, low);
+                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xq = x8 + r * K + b * 32;
+                const __m512i xl = bcast4(xq + 4 * t), xh = bcast4(xq + 4 * (t + 4));
+                for (int p = 0; p < np; p++) isum[r * np + p] = _mm512_dpbusd_epi32(isum[r * np + p], lo[p], xl);
+                for (int p = 0; p < np; p++) isum[r * np + p] = _mm512_dpbusd_epi32(isum[r * np + p], hi[p], xh);
+            }
+        }
+        __m512 d[2], m[2];
+        for (int p = 0; p < np; p++) {
+            const uint8_t *sc = panel + p * panel_bytes + b * stride + weight_bytes(bits);
+            d[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+            m[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
+        }
+        for (int r = 0; r < rows; r++) {
+            const float *mt = meta + (r * blocks + b) * META;
+            const __m512 dx = _mm512_set1_ps(mt[0]), sx = _mm512_set1_ps(mt[1]);
+            for (int p = 0; p < np; p++) {
+                __m512 *a = &acc[r * np + p];
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r * np + p]), _mm512_mul_ps(d[p], dx), *a);
+                *a = _mm512_fmadd_ps(m[p], sx, *a);
+            }
+        }
+    }
+}
+
+/* acc[r] (16 columns) for `rows` rows over all K / 32 blocks of one panel with a (d, m) per 16 k (sub 2). */
+static inline __attribute__((always_inline)) void qtile_sub2(
+        const int8_t *x8, const float *meta, int64_t K, const uint8_t *panel, int bits, int rows, __m512 *acc) {
+    const int64_t blocks = K / 32, stride = block_bytes(bits, 2);
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = panel + b * stride;
@@ -114,47 +173,48 @@ static inline __attribute__((always_inline)) void qtile(
         const uint8_t *sc = blk + weight_bytes(bits);
         const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
         const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
-        if (sub == 1) {
-            for (int r = 0; r < rows; r++) {
-                const float *mt = meta + (r * blocks + b) * META;
-                const __m512i isum = dot_groups(w, x8 + r * K + b * 32, 0, 8);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d0, _mm512_set1_ps(mt[0])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m0, _mm512_set1_ps(mt[1]), acc[r]);
-            }
-        } else {
-            const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 64)));
-            const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 96)));
-            for (int r = 0; r < rows; r++) {
-                const float *mt = meta + (r * blocks + b) * META;
-                const int8_t *xq = x8 + r * K + b * 32;
-                const __m512 dx = _mm512_set1_ps(mt[0]);
-                const __m512i lo = dot_groups(w, xq, 0, 4), hi = dot_groups(w, xq, 4, 4);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d0, dx), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d1, dx), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m0, _mm512_set1_ps(mt[2]), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(mt[3]), acc[r]);
-            }
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 64)));
+        const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 96)));
+        for (int r = 0; r < rows; r++) {
+            const float *mt = meta + (r * blocks + b) * META;
+            const int8_t *xq = x8 + r * K + b * 32;
+            const __m512 dx = _mm512_set1_ps(mt[0]);
+            const __m512i lo = dot_groups(w, xq, 0, 4), hi = dot_groups(w, xq, 4, 4);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d0, dx), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d1, dx), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m0, _mm512_set1_ps(mt[2]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(mt[3]), acc[r]);
         }
     }
 }
 
-#define QTILE_CASE(R, BITS, SUB) qtile(x8 + (m0) * K, meta + (m0) * (K / 32) * META, K, panel, BITS, SUB, R, acc)
-#define QTILE_ROWS(BITS, SUB)                                                                      \
+/* One tile, dispatched to a copy with literal rows, panels and bits so that its loops unroll into registers. */
+#define SUB1(R, NP, BITS) qtile_sub1(x8, meta, K, panel, panel_bytes, NP, BITS, R, acc)
+#define SUB2(R, NP, BITS) qtile_sub2(x8, meta, K, panel, BITS, R, acc)
+#define ROWS_6(F, NP, BITS)                                                                        \
     switch (rows) {                                                                                \
-        case 1: QTILE_CASE(1, BITS, SUB); break; case 2: QTILE_CASE(2, BITS, SUB); break;          \
-        case 3: QTILE_CASE(3, BITS, SUB); break; case 4: QTILE_CASE(4, BITS, SUB); break;          \
-        case 5: QTILE_CASE(5, BITS, SUB); break; case 6: QTILE_CASE(6, BITS, SUB); break;          \
-        case 7: QTILE_CASE(7, BITS, SUB); break; default: QTILE_CASE(8, BITS, SUB); break;         \
+        case 1: F(1, NP, BITS); break; case 2: F(2, NP, BITS); break; case 3: F(3, NP, BITS); break; \
+        case 4: F(4, NP, BITS); break; case 5: F(5, NP, BITS); break; default: F(6, NP, BITS); break; \
     }
-
-/* One tile, dispatched to a copy with literal rows, bits and sub so that its loops unroll into registers. */
-static void qtile_any(const int8_t *x8, const float *meta, int64_t K, int64_t m0, const uint8_t *panel,
-                      int bits, int sub, int rows, __m512 *acc) {
-    if (bits == 4 && sub == 1) { QTILE_ROWS(4, 1) }
-    else if (bits == 8 && sub == 1) { QTILE_ROWS(8, 1) }
-    else if (bits == 4) { QTILE_ROWS(4, 2) }
-    else { QTILE_ROWS(8, 2) }
+#define ROWS_8(F, NP, BITS)                                                                        \
+    switch (rows) {                                                                                \
+        case 1: F(1, NP, BITS); break; case 2: F(2, NP, BITS); break; case 3: F(3, NP, BITS); break; \
+        case 4: F(4, NP, BITS); break; case 5: F(5, NP, BITS); break; case 6: F(6, NP, BITS); break; \
+        case 7: F(7, NP, BITS); break; default: F(8, NP, BITS); break;                             \
+    }
+static void qtile_any(const int8_t *x8, const float *meta, int64_t K, const uint8_t *panel, int64_t panel_bytes,
+                      int np, int bits, int sub, int rows, __m512 *acc) {
+    if (sub == 2) {
+        if (bits == 4) { ROWS_8(SUB2, 1, 4) } else { ROWS_8(SUB2, 1, 8) }
+    } else if (np == 2) {
+        if (bits == 4) { ROWS_6(SUB1, 2, 4) } else { ROWS_6(SUB1, 2, 8) }
+    } else {
+        if (bits == 4) { ROWS_8(SUB1, 1, 4) } else { ROWS_8(SUB1, 1, 8) }
+    }
 }
+
+/* Work units: a pair of panels (sub 1) or one panel (sub 2, or sub 1's last panel when their count is odd). */
+static inline int unit_panels(int sub, int64_t panels, int64_t pn) { return sub == 1 && pn + 1 < panels ? 2 : 1; }
 
 #define QGEMM(S, T, STORE_VEC)                                                                     \
 void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int bits, int sub, const float *bias,   \
@@ -162,6 +222,7 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int bits, int sub, con
     int8_t *x8 = malloc((size_t)(M * K));                                                          \
     float *meta = malloc((size_t)(M * (K / 32) * META) * sizeof(float));                           \
     const int64_t panels = (N + QPANEL - 1) / QPANEL, row_blocks = (M + QROW_BLOCK - 1) / QROW_BLOCK; \
+    const int64_t units = sub == 1 ? (panels + 1) / 2 : panels;                                    \
     const int64_t panel_bytes = (K / 32) * block_bytes(bits, sub);                                 \
     /* Split even a one-row call across threads: a decode step is bound by the weight stream. */   \
     _Pragma("omp parallel if(panels * K >= 2048)")                                                 \
@@ -169,20 +230,28 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int bits, int sub, con
         quantize_rows_##S(x, ldx, M, K, x8, meta);                                                 \
         _Pragma("omp for collapse(2) schedule(static)")                                            \
         for (int64_t rb = 0; rb < row_blocks; rb++)                                                \
-            for (int64_t pn = 0; pn < panels; pn++) {                                              \
-                const uint8_t *panel = w + pn * panel_bytes;                                       \
-                const int64_t n0 = pn * QPANEL, m_end = qmin64(M, (rb + 1) * QROW_BLOCK);          \
-                const int valid = (int)qmin64(QPANEL, N - n0);                                     \
-                const __mmask16 mask = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);      \
-                const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps(); \
-                for (int64_t m0 = rb * QROW_BLOCK; m0 < m_end; m0 += QMAX_ROWS) {                  \
-                    const int rows = (int)qmin64(QMAX_ROWS, m_end - m0);                           \
-                    __m512 acc[QMAX_ROWS];                                                         \
-                    qtile_any(x8, meta, K, m0, panel, bits, sub, rows, acc);                       \
-                    for (int r = 0; r < rows; r++) {                                               \
-                        T *dst = out + (m0 + r) * ldo + n0;                                        \
-                        STORE_VEC                                                                  \
-                    }                                                                              \
+            for (int64_t u = 0; u < units; u++) {                                                  \
+                const int64_t pn = sub == 1 ? 2 * u : u, m_end = qmin64(M, (rb + 1) * QROW_BLOCK); \
+                const int np = unit_panels(sub, panels, pn), tile_rows = np == 2 ? QPAIR_ROWS : QMAX_ROWS; \
+                __mmask16 mask[2];                                                                 \
+                __m512 bv[2];                                                                      \
+                for (int p = 0; p < np; p++) {                                                     \
+                    const int64_t n0 = (pn + p) * QPANEL;                                          \
+                    const int valid = (int)qmin64(QPANEL, N - n0);                                 \
+                    mask[p] = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);              \
+                    bv[p] = bias ? _mm512_maskz_loadu_ps(mask[p], bias + n0) : _mm512_setzero_ps(); \
+                }                                                                                  \
+                for (int64_t m0 = rb * QROW_BLOCK; m0 < m_end; m0 += tile_rows) {                  \
+                    const int rows = (int)qmin64(tile_rows, m_end - m0);                           \
+                    __m512 acc[2 * QMAX_ROWS];                                                     \
+                    qtile_any(x8 + m0 * K, meta + m0 * (K / 32) * META, K, w + pn * panel_bytes,  \
+                              panel_bytes, np, bits, sub, rows, acc);                              \
+                    for (int r = 0; r < rows; r++)                                                 \
+                        for (int p = 0; p < np; p++) {                                             \
+                            T *dst = out + (m0 + r) * ldo + (pn + p) * QPANEL;                     \
+                            const __m512 a = _mm512_add_ps(acc[r * np + p], bv[p]);                \
+                            STORE_VEC                                                              \
+                        }                                                                          \
                 }                                                                                  \
             }                                                                                      \
     }                                                                                              \
@@ -190,9 +259,9 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int bits, int sub, con
     free(meta);                                                                                    \
 }
 
-QGEMM(f32, float, { _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(acc[r], bv)); })
+QGEMM(f32, float, { _mm512_mask_storeu_ps(dst, mask[p], a); })
 #if defined(__AVX512BF16__)
-QGEMM(bf16, uint16_t, { _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], bv))); })
+QGEMM(bf16, uint16_t, { _mm256_mask_storeu_epi16(dst, mask[p], (__m256i)_mm512_cvtneps_pbh(a)); })
 #endif
 
 #endif
