@@ -10,12 +10,14 @@
  *
  * It vectorizes over output columns: the weights are packed once (pack_*) into panels of PANEL columns,
  * each panel contiguous over K, so a column vector's k-th weights are one 64-byte load; a row's x[k] is
- * broadcast. bf16 uses AVX512-BF16 (vdpbf16ps: 16 lanes x one k pair per instruction), float32 AVX-512
- * FMA. A tile is up to MAX_ROWS rows x PANEL columns, held in registers for the whole K loop.
+ * broadcast. bf16 computes what AVX512-BF16's vdpbf16ps computes (16 lanes x one k pair per
+ * instruction), with that instruction or with float32 FMAs (below); float32 uses AVX-512 FMA. A tile is
+ * up to MAX_ROWS rows x PANEL columns, held in registers for the whole K loop.
  *
  * Threads split the column panels (and, for many rows, the row blocks); neither changes any sum.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 
@@ -53,16 +55,23 @@ STORE_ROW(float, {
     _mm512_mask_storeu_ps(dst + 16, m1, a1);
 })
 
-/* The packed bf16 panel: for each pair of k, 32 columns x 2 k = 32 uint32 (64 bytes per vector of 16). */
+/* The packed bf16 panel: for each pair of k, 32 columns x 2 k = 32 uint32 (64 bytes per vector of 16).
+ *
+ * Two tiles compute the same bits. vdpbf16ps adds the odd k's product, then the even k's, each exact
+ * product rounded once into the float32 sum (to nearest even, input denormals read as 0, output
+ * denormals flushed): what an FMA on the two bf16 values widened to float32 does with MXCSR's DAZ and
+ * FTZ set. On CPUs without AMX vdpbf16ps issues half an instruction a cycle (16 MACs) where FMAs issue
+ * two (32 MACs), so calls of 3 rows or more widen x once and run FMAs (up to 1.6x faster); calls of 1 or
+ * 2 rows, bound by the weight stream and by one chain's latency, keep the one-instruction vdpbf16ps. */
 #if defined(__AVX512BF16__)
-static inline __attribute__((always_inline)) void tile_bf16(
+static inline __attribute__((always_inline)) void tile_bf16_dp(
         const uint16_t *x, int64_t ldx, const uint32_t *panel, int64_t pairs, int rows,
         const float *bias, uint16_t *out, int64_t ldo, int valid) {
     __m512 acc[MAX_ROWS][2];
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         const uint32_t *w = panel + p * PANEL;
-        if (rows <= 8) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 16);
         for (int m = 0; m < rows; m++) {
             uint32_t pair;
@@ -72,6 +81,34 @@ static inline __attribute__((always_inline)) void tile_bf16(
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
         }
     }
+    for (int m = 0; m < rows; m++) store_row_uint16_t(out + m * ldo, acc[m][0], acc[m][1], bias, valid);
+}
+
+static inline __attribute__((always_inline)) void tile_bf16_fma(
+        const float *x, int64_t ldx, const uint32_t *panel, int64_t pairs, int rows,
+        const float *bias, uint16_t *out, int64_t ldo, int valid) {
+    __m512 acc[MAX_ROWS][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | _MM_FLUSH_ZERO_ON | _MM_DENORMALS_ZERO_ON);
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint32_t *w = panel + p * PANEL;
+        if (rows <= 8) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16);
+        const __m512 w0_odd = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+        const __m512 w1_odd = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+        const __m512 w0_even = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+        const __m512 w1_even = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+        for (int m = 0; m < rows; m++) {
+            const __m512 x_odd = _mm512_set1_ps(x[m * ldx + 2 * p + 1]), x_even = _mm512_set1_ps(x[m * ldx + 2 * p]);
+            acc[m][0] = _mm512_fmadd_ps(x_odd, w0_odd, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(x_odd, w1_odd, acc[m][1]);
+            acc[m][0] = _mm512_fmadd_ps(x_even, w0_even, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(x_even, w1_even, acc[m][1]);
+        }
+    }
+    _mm_setcsr(csr);
     for (int m = 0; m < rows; m++) store_row_uint16_t(out + m * ldo, acc[m][0], acc[m][1], bias, valid);
 }
 #endif
@@ -106,32 +143,55 @@ static inline __attribute__((always_inline)) void tile_f32(
         case 11: TILE(__VA_ARGS__, 11); break; default: TILE(__VA_ARGS__, 12); break;                \
     }
 
-/* The loop over (panel, row block) tasks, shared by both dtypes. TILE_CALL(m0, rows, n0) computes one tile. */
-#define GEMM_LOOP(M, N, TILE_CALL)                                                                    \
+/* The loop over (panel, row block) tasks, shared by both dtypes. PROLOGUE runs first in every thread (an
+ * `omp for` that prepares x); TILE_CALL(m0, rows, n0) computes one tile. */
+#define GEMM_LOOP(M, N, PROLOGUE, TILE_CALL)                                                          \
     /* Split even a one-row call across threads unless the weights are tiny (under 128 KiB): a decode  \
      * step is bound by the weight stream, which needs every core. */                                  \
     const int64_t panels = (N + PANEL - 1) / PANEL, row_blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;    \
-    _Pragma("omp parallel for collapse(2) schedule(static) if(panels * K >= 2048)")                      \
-    for (int64_t rb = 0; rb < row_blocks; rb++)                                                       \
-        for (int64_t pn = 0; pn < panels; pn++) {                                                     \
-            const int64_t n0 = pn * PANEL, m_end = min64(M, (rb + 1) * ROW_BLOCK);                     \
-            for (int64_t m0 = rb * ROW_BLOCK; m0 < m_end; m0 += MAX_ROWS) {                           \
-                const int rows = (int)min64(MAX_ROWS, m_end - m0);                                    \
-                TILE_CALL(m0, rows, n0);                                                              \
+    _Pragma("omp parallel if(panels * K >= 2048)")                                                    \
+    {                                                                                                 \
+        PROLOGUE;                                                                                     \
+        _Pragma("omp for collapse(2) schedule(static)")                                               \
+        for (int64_t rb = 0; rb < row_blocks; rb++)                                                   \
+            for (int64_t pn = 0; pn < panels; pn++) {                                                 \
+                const int64_t n0 = pn * PANEL, m_end = min64(M, (rb + 1) * ROW_BLOCK);                 \
+                for (int64_t m0 = rb * ROW_BLOCK; m0 < m_end; m0 += MAX_ROWS) {                       \
+                    const int rows = (int)min64(MAX_ROWS, m_end - m0);                                \
+                    TILE_CALL(m0, rows, n0);                                                          \
+                }                                                                                     \
             }                                                                                         \
-        }
+    }
 
 #if defined(__AVX512BF16__)
-#define BF16_TILE(m0, n0, R)                                                                          \
-    tile_bf16(x + (m0) * ldx, ldx, w + (n0) * (K / 2), K / 2, R, bias ? bias + (n0) : 0,             \
-              out + (m0) * ldo + (n0), ldo, (int)min64(PANEL, N - (n0)))
-#define BF16_CALL(m0, rows, n0) DISPATCH(BF16_TILE, rows, m0, n0)
+#define BF16_FMA_TILE(m0, n0, R)                                                                      \
+    tile_bf16_fma(xf + (m0) * K, K, w + (n0) * (K / 2), K / 2, R, bias ? bias + (n0) : 0,            \
+                  out + (m0) * ldo + (n0), ldo, (int)min64(PANEL, N - (n0)))
+#define BF16_FMA_CALL(m0, rows, n0) DISPATCH(BF16_FMA_TILE, rows, m0, n0)
+#define BF16_DP_TILE(m0, n0, R)                                                                       \
+    tile_bf16_dp(x + (m0) * ldx, ldx, w + (n0) * (K / 2), K / 2, R, bias ? bias + (n0) : 0,          \
+                 out + (m0) * ldo + (n0), ldo, (int)min64(PANEL, N - (n0)))
+#define BF16_DP_CALL(m0, rows, n0)                                                                    \
+    if (rows == 1) BF16_DP_TILE(m0, n0, 1); else BF16_DP_TILE(m0, n0, 2);
+
+/* x [M, K] bf16 (row stride ldx) -> xf [M, K] float32, split over the threads. */
+static void widen_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *xf) {
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_float(x[m * ldx + k]);
+}
 
 /* x [M, K] (row stride ldx), packed weights from pack_bf16, bias float32 [>= padded N] or NULL,
  * out [M, N] (row stride ldo). K must be even. */
 void gemm_bf16(const uint16_t *x, int64_t ldx, const uint32_t *w, const float *bias, uint16_t *out, int64_t ldo,
                int64_t M, int64_t N, int64_t K) {
-    GEMM_LOOP(M, N, BF16_CALL)
+    if (M <= 2) {
+        GEMM_LOOP(M, N, (void)0, BF16_DP_CALL)
+        return;
+    }
+    float *xf = malloc(sizeof(float) * (size_t)(M * K));
+    GEMM_LOOP(M, N, widen_rows(x, ldx, M, K, xf), BF16_FMA_CALL)
+    free(xf);
 }
 
 #endif
@@ -143,7 +203,7 @@ void gemm_bf16(const uint16_t *x, int64_t ldx, const uint32_t *w, const float *b
 
 void gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *out, int64_t ldo,
               int64_t M, int64_t N, int64_t K) {
-    GEMM_LOOP(M, N, F32_CALL)
+    GEMM_LOOP(M, N, (void)0, F32_CALL)
 }
 
 /* W [N, K] of 32-bit words -> panels [ceil(N / PANEL)][K][PANEL]; the columns past N are zero. float32
