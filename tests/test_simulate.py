@@ -212,3 +212,23 @@ def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
     assert all(abs(fitted[t] - truth[t]) <= 1e-6 * max(truth[t], 1e-3) for t in TERMS)
     held = held_out_error(groups, split)
     assert held.median < 1e-6 and abs(held.total) < 1e-6
+
+
+def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
+        step=0.004, rows=1e-4, gemm_rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6,
+        prefill_attention=0.0), "gemm_split": {"row_block": 64, "threads": 2}}))
+    res = _run_json(tmp_path, "validate", "simulate", "--profile", str(profile), "--validate", "compare",
+                    "--validate-repeats", "3", "--num-prompts", "4", "--request-rate", "inf", "--dtype", "float32",
+                    "--short-output-len", "2:4", "--long-output-len", "2:4",
+                    "--output-dir", str(tmp_path / "v"))
+    assert [v["setting"] for v in res["validation"]] == ["static", "continuous"]
+    for v in res["validation"]:
+        for key, (low, high) in v["measured_range"].items():
+            assert low <= v["measured"][key] <= high  # the median of the three runs
+    assert len(list((tmp_path / "v").glob("measured-0*.csv"))) == 3  # three real runs of the first setting
+    table = capsys.readouterr().out
+    assert "[range]" in table and "cells within 10 %" in table
+    with pytest.raises(SystemExit, match="at least 1"):
+        main(["bench", "simulate", "--profile", str(profile), "--validate", "compare", "--validate-repeats", "0"])

@@ -138,12 +138,15 @@ def _validate(args: argparse.Namespace, config: EngineConfig, model_config, cost
 
     if cost.modeled:
         raise SystemExit("--validate compares with real runs on this machine: it needs a calibrated --profile")
+    if args.validate_repeats < 1:
+        raise SystemExit(f"--validate-repeats must be at least 1, got {args.validate_repeats}")
     rng = np.random.default_rng(args.seed)
     compare_requests = with_arrivals(mixed_requests(corpus, args.num_prompts, args.long_fraction,
                                                     args.short_input_len, args.short_output_len, args.long_input_len,
                                                     args.long_output_len, rng), args.request_rate, args.burstiness, rng)
     cases = validation_cases(config, compare_requests, corpus, args.seed, args.validate)
-    results = validate(cases, model_config, cost, args.output_dir or "runs/simulate-validate", show)
+    results = validate(cases, model_config, cost, args.output_dir or "runs/simulate-validate", show,
+                       args.validate_repeats)
     print(validation_table(results))
     write_json(args.output_json, {"cost_model": cost.to_dict(), "engine": asdict(config),
                                   "validation": [asdict(v) | {"errors": v.errors} for v in results]})
@@ -196,6 +199,8 @@ def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler", dest="systems", choices=("both", "continuous", "static"), default="both")
     p.add_argument("--validate", type=_choices(VALIDATIONS), default=None, metavar="all|" + ",".join(VALIDATIONS),
                    help="run these workloads on the real engine too and print predicted vs measured")
+    p.add_argument("--validate-repeats", type=int, default=1, metavar="N",
+                   help="real runs per validated setting; the measured figure is their median (and range)")
     p.add_argument("--output-dir", default=None, help="plots and results.json (and step traces with --trace)")
     p.add_argument("--trace", action="store_true", help="write each engine's step trace to --output-dir")
     _output_args(p)
