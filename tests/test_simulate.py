@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from minivllm.bench.compare import SystemSummary, replay_engine
-from minivllm.bench.cost_model import TERMS, GemmSplit, LinearCost, StepShape, load_profile
+from minivllm.bench.cost_model import TERMS, LinearCost, StepShape, load_profile
 from minivllm.bench.metrics import ServingMetrics
 from minivllm.bench.simulate import VirtualClock, simulate_engine
 from minivllm.bench.workloads import TokenWindows, mixed_requests, with_arrivals
@@ -82,8 +82,7 @@ def _run_json(tmp_path, name: str, *args: str) -> dict:
 def test_simulate_writes_bench_compares_layout_and_sizes_replicas(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
-        step=0.004, rows=1e-4, gemm_rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6,
-        prefill_attention=0.0), "gemm_split": {"row_block": 64, "threads": 2}}))
+        step=0.004, rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6, prefill_attention=0.0)}))
     res = _run_json(tmp_path, "sim", "simulate", "--profile", str(profile), "--num-prompts", "12",
                     "--request-rate", "4", "--output-dir", str(tmp_path / "out"))
     assert {"workload", "setup", "engine", "summaries"} <= set(res) and res["modeled"] is False
@@ -139,25 +138,16 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
 
 
 def test_padding_costs_a_row_and_an_older_profile_is_refused():
-    cost = LinearCost({"step": 0.005, "rows": 3e-4, "gemm_rows": 8e-4, "prefill_seqs": 4e-3, "decode_seqs": 3e-4,
-                       "decode_context": 2e-6, "prefill_attention": 6e-7}, "hand-written", GemmSplit(64, 2))
+    cost = LinearCost({"step": 0.005, "rows": 7e-4, "prefill_seqs": 4e-3, "decode_seqs": 3e-4,
+                       "decode_context": 2e-6, "prefill_attention": 6e-7}, "hand-written")
     live = StepShape(decode_seqs=2, decode_context=300, num_seqs=2)
     padded = StepShape(decode_seqs=2, decode_context=300, num_seqs=2, padding_tokens=6)
     prompt = StepShape(prefill_tokens=6, prefill_seqs=1, prefill_attention=21, num_seqs=1)
     # A padding slot passes through the GEMMs as a prompt token does, and costs nothing else.
-    assert padded.rows == 8 and abs(cost.step_time(padded) - cost.step_time(live) - 6 * (3e-4 + 8e-4 / 2)) < 1e-12
+    assert padded.rows == 8 and abs(cost.step_time(padded) - cost.step_time(live) - 6 * 7e-4) < 1e-12
     assert cost.step_time(prompt) > cost.step_time(StepShape(padding_tokens=6)) > cost.step_time(StepShape())
     with pytest.raises(ValueError, match="rerun `minivllm bench calibrate`"):
-        LinearCost({"step": 0.005, "prefill_tokens": 7e-4, "padding_tokens": 1e-3}, "an older profile", GemmSplit(64, 2))
-
-
-def test_the_gemms_wait_for_their_busiest_thread():
-    split = GemmSplit(row_block=64, threads=2)
-    # One block: both threads share its panels. Past it, one thread takes the whole first block.
-    assert [split.busiest(r) for r in (1, 64, 65, 72, 128)] == [0.5, 32, 64, 64, 64]
-    assert split.busiest(129) == 96  # 1.5 blocks each: 64 + 32 rows, and 32 + 1
-    assert split.busiest(2048) == 1024 and GemmSplit(96, 1).busiest(300) == 300
-    assert GemmSplit(16, 4).busiest(40) == 12  # blocks of 16, 16, 8 rows, 3/4 of a block a thread: 12, 12, 10, 6
+        LinearCost({"step": 0.005, "prefill_tokens": 7e-4, "padding_tokens": 1e-3}, "an older profile")
 
 
 def test_final_only_outputs_come_once_when_finished():
@@ -168,8 +158,7 @@ def test_final_only_outputs_come_once_when_finished():
     from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
     _, model_config = load_tokenizer(None)
-    cost = LinearCost(dict.fromkeys(TERMS, 0.0) | {"step": 0.01, "decode_seqs": 0.001, "rows": 1e-4}, "hand-written",
-                      GemmSplit(64, 2))
+    cost = LinearCost(dict.fromkeys(TERMS, 0.0) | {"step": 0.01, "decode_seqs": 0.001, "rows": 1e-4}, "hand-written")
     engine, _ = simulated_engine(EngineConfig(num_kv_blocks=16), model_config, cost)
     engine.add_request("final", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True,
                                                           output_kind=RequestOutputKind.FINAL_ONLY))
@@ -198,8 +187,7 @@ def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
     assert whole == 100 * 101 // 2 == sum(chunk(c, 25).prefill_attention for c in range(0, 100, 25))
 
     rng = np.random.default_rng(0)
-    truth = dict(zip(TERMS, [0.02, 5e-4, 1.5e-3, 4e-3, 2e-3, 2e-6, 5e-7]))
-    split = GemmSplit(64, 2)
+    truth = dict(zip(TERMS, [0.02, 5e-4, 4e-3, 2e-3, 2e-6, 5e-7]))
     groups = []
     for _ in range(5):
         shapes = [StepShape(prefill_tokens=int(p), prefill_seqs=int(k), decode_seqs=int(d), padding_tokens=int(pad),
@@ -207,18 +195,17 @@ def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
                   for p, k, d, pad, c, a in zip(rng.integers(0, 512, 40), rng.integers(1, 4, 40), rng.integers(0, 64, 40),
                                                 rng.integers(0, 32, 40), rng.integers(16, 1024, 40),
                                                 rng.integers(1, 1024, 40))]
-        groups.append((shapes, [float(np.dot(list(truth.values()), features(s, split))) for s in shapes]))
-    fitted = fit_linear([s for g in groups for s in g[0]], [t for g in groups for t in g[1]], split)
+        groups.append((shapes, [float(np.dot(list(truth.values()), features(s))) for s in shapes]))
+    fitted = fit_linear([s for g in groups for s in g[0]], [t for g in groups for t in g[1]])
     assert all(abs(fitted[t] - truth[t]) <= 1e-6 * max(truth[t], 1e-3) for t in TERMS)
-    held = held_out_error(groups, split)
+    held = held_out_error(groups)
     assert held.median < 1e-6 and abs(held.total) < 1e-6
 
 
 def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
-        step=0.004, rows=1e-4, gemm_rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6,
-        prefill_attention=0.0), "gemm_split": {"row_block": 64, "threads": 2}}))
+        step=0.004, rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6, prefill_attention=0.0)}))
     res = _run_json(tmp_path, "validate", "simulate", "--profile", str(profile), "--validate", "compare",
                     "--validate-repeats", "3", "--num-prompts", "4", "--request-rate", "inf", "--dtype", "float32",
                     "--short-output-len", "2:4", "--long-output-len", "2:4",

@@ -16,10 +16,9 @@ import time
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
-from minivllm.bench.cost_model import (INTERFERED, FitError, GemmSplit, LinearCost, StepShape, fit_linear,
+from minivllm.bench.cost_model import (INTERFERED, FitError, LinearCost, StepShape, fit_linear,
                                        held_out_error)
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -152,8 +151,7 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
     shapes = [s for g in groups for s in g[0]]
     seconds = [t for g in groups for t in g[1]]
     engine = next(iter(engines.values()))
-    split = GemmSplit(64 if engine.runner.model.quantized_weights() else 96, torch.get_num_threads())
-    cost = LinearCost(fit_linear(shapes, seconds, split), "", split)
+    cost = LinearCost(fit_linear(shapes, seconds), "")
     label = (f"calibrated: {config.model or 'SmolLM2-135M-Instruct (default GGUF)'} on {engine.device_name}, "
              f"{str(engine.dtype).removeprefix('torch.')}")
     for engine in engines.values():
@@ -166,5 +164,5 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
         clean.append(([s for s, _ in kept], [t for _, t in kept]))
     kept_shapes, kept_seconds = [s for g in clean for s in g[0]], [t for g in clean for t in g[1]]
     return Calibration(cost, FitError.of([cost.step_time(s) for s in kept_shapes], kept_seconds),
-                       held_out_error([g for g in clean if g[0]], split),
+                       held_out_error([g for g in clean if g[0]]),
                        [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)], len(seconds) - len(kept_seconds))

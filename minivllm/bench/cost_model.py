@@ -7,9 +7,7 @@
 """
 from __future__ import annotations
 
-import functools
 import json
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -55,50 +53,24 @@ class StepShape:
         return shape
 
 
-@dataclass(frozen=True)
-class GemmSplit:
-    """How the native GEMMs share a step's rows between threads: (block of `row_block` rows, column
-    panel) pairs, in order, split evenly by OpenMP's static schedule, so that the step waits for the
-    thread with the most rows. Up to one block, the threads share its panels evenly; just past it,
-    one thread takes the whole first block and the other the few rows left (on 2 threads, a 72-row
-    prefill step measured 86 ms beside 64 ms at 64 rows). Blocks: quant_gemm.c's QROW_BLOCK (64) for
-    quantized weights, gemm.c's ROW_BLOCK (96) for bf16 ones."""
-
-    row_block: int
-    threads: int
-
-    def busiest(self, rows: int) -> float:
-        return _busiest(rows, self.row_block, self.threads)
-
-
-@functools.lru_cache(maxsize=4096)  # a step's time is asked millions of times, of a few thousand sizes
-def _busiest(rows: int, row_block: int, threads: int) -> float:
-    """Rows the busiest thread computes: thread t takes blocks [t, t + 1) * blocks / threads, a block
-    it shares counting for its share of the block's panels (and so of its rows)."""
-    blocks = -(-rows // row_block)
-    sizes = [min(row_block, rows - b * row_block) for b in range(blocks)]
-    share = blocks / threads
-    return max(sum((min(hi, b + 1) - max(lo, b)) * sizes[b] for b in range(int(lo), min(blocks, math.ceil(hi))))
-               for lo, hi in ((t * share, (t + 1) * share) for t in range(threads)))
-
-
 # The linear model's terms: a constant per step, then counts of the step's work. What each costs:
 #   step               the fixed part: weights streamed once, per-layer launches, the step's Python
 #   rows               a row of the step's tokens: a prompt token, a decode, or static batching's padding
 #                      (which computes nothing else: it attends to nothing and is not sampled)
-#   gemm_rows          a row on the busiest thread of the GEMMs (GemmSplit): what the GEMMs wait for
 #   prefill_seqs       a prefill chunk's own overhead (its attention span, its inputs and logits row)
 #   decode_seqs        a decode beyond its row: its attention span, logits row, sampling, detokenizing
 #   decode_context     a K/V token read by a decode's attention
 #   prefill_attention  a (query, K/V token) pair of a prefill chunk: prefill's quadratic attention
 # Padding is a row and nothing more, by construction: a term of its own was fitted from the few
 # padded steps of the probes and came out dearer than a decode (calibration of 2026-11-30).
-TERMS = ("step", "rows", "gemm_rows", "prefill_seqs", "decode_seqs", "decode_context", "prefill_attention")
+# A row costs the same at any row count: the GEMMs share every row count evenly between threads (a
+# `gemm_rows` term once priced the rows of the busiest thread, when a step just past 64 rows gave one
+# thread a whole block of 64: the kernels now split by columns, calibration of 2026-12-01).
+TERMS = ("step", "rows", "prefill_seqs", "decode_seqs", "decode_context", "prefill_attention")
 
 
-def features(shape: StepShape, split: GemmSplit) -> list[float]:
-    return [1.0, shape.rows, split.busiest(shape.rows), shape.prefill_seqs, shape.decode_seqs, shape.decode_context,
-            shape.prefill_attention]
+def features(shape: StepShape) -> list[float]:
+    return [1.0, shape.rows, shape.prefill_seqs, shape.decode_seqs, shape.decode_context, shape.prefill_attention]
 
 
 @dataclass
@@ -107,7 +79,6 @@ class LinearCost:
 
     coefficients: dict[str, float]  # one per term of TERMS
     label: str  # what was measured: device, model, dtype
-    split: GemmSplit
     modeled: bool = False
 
     def __post_init__(self) -> None:
@@ -118,11 +89,10 @@ class LinearCost:
 
     def step_time(self, shape: StepShape) -> float:
         # Plain Python: a numpy call per step costs more than the sum of seven products.
-        return sum(w * x for w, x in zip(self._weights, features(shape, self.split)))
+        return sum(w * x for w, x in zip(self._weights, features(shape)))
 
     def to_dict(self) -> dict:
-        return {"kind": "calibrated", "label": self.label, "coefficients": self.coefficients,
-                "gemm_split": asdict(self.split)}
+        return {"kind": "calibrated", "label": self.label, "coefficients": self.coefficients}
 
 
 # A step measured at more than this many times its fitted time was slowed by something else on the
@@ -131,7 +101,7 @@ class LinearCost:
 INTERFERED = 2.0
 
 
-def fit_linear(shapes: list[StepShape], seconds: list[float], split: GemmSplit) -> dict[str, float]:
+def fit_linear(shapes: list[StepShape], seconds: list[float]) -> dict[str, float]:
     """Least squares with each step's error weighted by 1/sqrt(its time), with no negative coefficient
     (a term that comes out negative is dropped and the rest refitted), refitted without the steps
     that took over INTERFERED times their fitted time until none is left. The weight sits between
@@ -139,7 +109,7 @@ def fit_linear(shapes: list[StepShape], seconds: list[float], split: GemmSplit) 
     prefills) and the relative one (the long steps, which are few, come out short: on this
     machine's probes, each probe predicted by a fit to the others, the total was 6 % under with
     1/time and 2 % with 1/sqrt(time), and the median step error lower too)."""
-    x = np.array([features(s, split) for s in shapes], dtype=float)
+    x = np.array([features(s) for s in shapes], dtype=float)
     y = np.array(seconds, dtype=float)
     kept = np.ones(len(y), dtype=bool)
     while True:
@@ -178,13 +148,13 @@ class FitError:
         return cls(float(np.median(np.abs(p - y) / y)), float((p.sum() - y.sum()) / y.sum()))
 
 
-def held_out_error(groups: list[tuple[list[StepShape], list[float]]], split: GemmSplit) -> FitError:
+def held_out_error(groups: list[tuple[list[StepShape], list[float]]]) -> FitError:
     """Each group (a probe's steps) predicted by a fit to all the other groups: the error on steps
     the fit has not seen, which the error on the fitted steps understates."""
     predicted, measured = [], []
     for i, (shapes, seconds) in enumerate(groups):
         rest = [g for j, g in enumerate(groups) if j != i]
-        cost = LinearCost(fit_linear([s for g in rest for s in g[0]], [t for g in rest for t in g[1]], split), "", split)
+        cost = LinearCost(fit_linear([s for g in rest for s in g[0]], [t for g in rest for t in g[1]]), "")
         predicted += [cost.step_time(s) for s in shapes]
         measured += seconds
     return FitError.of(predicted, measured)
@@ -294,7 +264,7 @@ def roofline(gpu: str, model: str, tensor_parallel_size: int = 1) -> RooflineCos
 def load_profile(path: str) -> CostModel:
     data = json.loads(Path(path).read_text())
     if data.get("kind") == "calibrated":
-        return LinearCost(data["coefficients"], data["label"], GemmSplit(**data["gemm_split"]))
+        return LinearCost(data["coefficients"], data["label"])
     if data.get("kind") == "modeled":
         return RooflineCost(GpuSpec(**data["gpu"]), ModelConfig(**data["model"]), data["model_name"],
                             data["tensor_parallel_size"])

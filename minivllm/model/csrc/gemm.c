@@ -14,7 +14,7 @@
  * instruction), with that instruction or with float32 FMAs (below); float32 uses AVX-512 FMA. A tile is
  * up to MAX_ROWS rows x PANEL columns, held in registers for the whole K loop.
  *
- * Threads split the column panels (and, for many rows, the row blocks); neither changes any sum.
+ * Threads split the column panels, each taking its panels for every row block; no split changes any sum.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -152,9 +152,11 @@ static inline __attribute__((always_inline)) void tile_f32(
     _Pragma("omp parallel if(panels * K >= 2048)")                                                    \
     {                                                                                                 \
         PROLOGUE;                                                                                     \
+        /* Panels outer: each thread takes a run of column panels for every row block, so the      \
+         * threads share any row count evenly (see quant_gemm.c). */                                  \
         _Pragma("omp for collapse(2) schedule(static)")                                               \
-        for (int64_t rb = 0; rb < row_blocks; rb++)                                                   \
-            for (int64_t pn = 0; pn < panels; pn++) {                                                 \
+        for (int64_t pn = 0; pn < panels; pn++)                                                       \
+            for (int64_t rb = 0; rb < row_blocks; rb++) {                                             \
                 const int64_t n0 = pn * PANEL, m_end = min64(M, (rb + 1) * ROW_BLOCK);                 \
                 for (int64_t m0 = rb * ROW_BLOCK; m0 < m_end; m0 += MAX_ROWS) {                       \
                     const int rows = (int)min64(MAX_ROWS, m_end - m0);                                \
