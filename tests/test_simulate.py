@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,10 +80,15 @@ def _run_json(tmp_path, name: str, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_simulate_writes_bench_compares_layout_and_sizes_replicas(tmp_path):
+def _hand_written_profile(tmp_path) -> Path:
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
         step=0.004, rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6, prefill_attention=0.0)}))
+    return profile
+
+
+def test_simulate_writes_bench_compares_layout_and_sizes_replicas(tmp_path):
+    profile = _hand_written_profile(tmp_path)
     res = _run_json(tmp_path, "sim", "simulate", "--profile", str(profile), "--num-prompts", "12",
                     "--request-rate", "4", "--output-dir", str(tmp_path / "out"))
     assert {"workload", "setup", "engine", "summaries"} <= set(res) and res["modeled"] is False
@@ -203,9 +209,7 @@ def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
 
 
 def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tmp_path, capsys):
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
-        step=0.004, rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6, prefill_attention=0.0)}))
+    profile = _hand_written_profile(tmp_path)
     res = _run_json(tmp_path, "validate", "simulate", "--profile", str(profile), "--validate", "compare",
                     "--validate-repeats", "3", "--num-prompts", "4", "--request-rate", "inf", "--dtype", "float32",
                     "--short-output-len", "2:4", "--long-output-len", "2:4",

@@ -88,7 +88,7 @@ class LinearCost:
         self._weights = [self.coefficients[t] for t in TERMS]
 
     def step_time(self, shape: StepShape) -> float:
-        # Plain Python: a numpy call per step costs more than the sum of seven products.
+        # Plain Python: a numpy call per step costs more than the sum of six products.
         return sum(w * x for w, x in zip(self._weights, features(shape)))
 
     def to_dict(self) -> dict:

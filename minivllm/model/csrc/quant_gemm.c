@@ -21,7 +21,6 @@
  *            bits 4: 256 bytes; byte t * 64 + c * 4 + j holds group t (low nibble) and t + 4 (high).
  *   scales:  per sub-block, 16 float16 d then 16 float16 m (64 bytes).
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -230,7 +229,7 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int bits, int sub, con
         quantize_rows_##S(x, ldx, M, K, x8, meta);                                                 \
         /* Units outer: each thread takes a run of column units for every row block, so the threads \
          * share any row count evenly (row blocks outer gave one thread all of a 64-row block and the \
-         * other the few rows past it: a 67-row step ran 1.6x slower than a 64-row one). */          \
+         * other the few rows past it: a 67-token prefill took 53 ms against 41 ms at 64 tokens). */ \
         _Pragma("omp for collapse(2) schedule(static)")                                            \
         for (int64_t u = 0; u < units; u++)                                                        \
             for (int64_t rb = 0; rb < row_blocks; rb++) {                                          \
