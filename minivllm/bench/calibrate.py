@@ -18,8 +18,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 from tqdm import tqdm
 
-from minivllm.bench.cost_model import (INTERFERED, FitError, LinearCost, StepShape, fit_linear,
-                                       held_out_error)
+from minivllm.bench.cost_model import (INTERFERED, WAKE_AFTER_S, FitError, IdleWatch, LinearCost, StepShape,
+                                       fit_linear, held_out_error)
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import SchedulerOutput
@@ -34,12 +34,13 @@ class Probe:
     static: bool = False  # static batching: prompt and output lengths drawn, padded
     stagger: int = 0  # > 0: one request every `stagger` steps, lengths drawn in [1/4, 1] of the probe's
     max_num_batched_tokens: int | None = None  # a budget of its own: chunks beside decodes at long contexts
+    idle: float = 0.0  # > 0: each request alone, after the engine sat idle up to this long; lengths drawn
 
 
 # (sequences, prompt tokens, output tokens): prefill sizes from a few tokens to a full budget, decode
 # batches from 1 to 64 at short and long contexts (the small ones, which serving at a low rate runs
 # most, over many steps), static batches whose finished members pad the decode steps, then staggered
-# arrivals (mixed steps).
+# arrivals (mixed steps), then requests that each meet an idle engine (a light load's steps).
 GRIDS = {
     "default": [Probe(1, 16, 24), Probe(1, 512, 24), Probe(1, 2000, 8), Probe(4, 256, 48), Probe(8, 64, 64),
                 Probe(16, 128, 64), Probe(32, 32, 48), Probe(64, 16, 32), Probe(16, 1000, 32), Probe(64, 200, 24),
@@ -48,9 +49,10 @@ GRIDS = {
                 Probe(24, 96, 64, static=True),
                 Probe(24, 128, 64, stagger=3), Probe(16, 512, 160, stagger=8), Probe(40, 256, 96, stagger=2),
                 Probe(12, 1024, 64, stagger=6, max_num_batched_tokens=256),
-                Probe(8, 1536, 48, stagger=4, max_num_batched_tokens=128)],
+                Probe(8, 1536, 48, stagger=4, max_num_batched_tokens=128),
+                Probe(16, 256, 8, idle=0.5)],
     "tiny": [Probe(1, 16, 4), Probe(4, 64, 6), Probe(3, 40, 4, static=True),
-             Probe(4, 48, 6, stagger=2, max_num_batched_tokens=16)],
+             Probe(4, 48, 6, stagger=2, max_num_batched_tokens=16), Probe(3, 32, 3, idle=0.05)],
 }
 
 
@@ -61,23 +63,27 @@ WARM_UPS = {"default": Probe(8, 256, 8), "tiny": Probe(1, 16, 2)}
 
 
 class ShapeRecorder:
-    """Wraps the engine's runner to note the shape of each step it runs."""
+    """Wraps the engine's runner to note the shape of each step it runs, and whether it woke the engine."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.shape = runner, None
+        self.runner, self.shape, self.idle = runner, None, IdleWatch(time.perf_counter)
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
     def execute(self, sched: SchedulerOutput):
         self.shape = StepShape.of(sched)
-        return self.runner.execute(sched)
+        self.shape.woke = self.idle.woke()
+        try:
+            return self.runner.execute(sched)
+        finally:
+            self.idle.ended()
 
 
 def _requests(probe: Probe, vocab: int, rng: np.random.Generator) -> list[tuple[list[int], SamplingParams]]:
-    """Static and staggered probes draw lengths (so that a batch pads, and contexts spread); the
-    rest are exactly the probe's."""
-    drawn = probe.static or probe.stagger
+    """Static, staggered and idle probes draw lengths (so that a batch pads, and contexts and prefills
+    spread); the rest are exactly the probe's."""
+    drawn = probe.static or probe.stagger or probe.idle
     requests = []
     for _ in range(probe.num_seqs):
         n = int(rng.integers(probe.prompt_len // 4, probe.prompt_len + 1)) if drawn else probe.prompt_len
@@ -88,6 +94,16 @@ def _requests(probe: Probe, vocab: int, rng: np.random.Generator) -> list[tuple[
     return requests
 
 
+def _num_arriving(probe: Probe, engine: LLMEngine, step: int, num_pending: int) -> int:
+    """How many of the probe's pending requests arrive before this step."""
+    idle = not engine.has_unfinished_requests()
+    if probe.idle:  # one at a time, each to an idle engine
+        return int(idle)
+    if probe.stagger:  # one every `stagger` steps, and one at once when the engine would idle
+        return int(step % probe.stagger == 0 or idle)
+    return num_pending  # all at once
+
+
 def run_probe(engine: LLMEngine, probe: Probe, rng: np.random.Generator) -> tuple[list[StepShape], list[float]]:
     pending = _requests(probe, engine.model_config.vocab_size, rng)
     recorder = ShapeRecorder(engine.runner)
@@ -96,12 +112,12 @@ def run_probe(engine: LLMEngine, probe: Probe, rng: np.random.Generator) -> tupl
     step = 0
     try:
         while pending or engine.has_unfinished_requests():
-            # All at once, or one every `stagger` steps (and at once when the engine would idle).
-            while pending and (not probe.stagger or step % probe.stagger == 0 or not engine.has_unfinished_requests()):
+            arriving = min(len(pending), _num_arriving(probe, engine, step, len(pending)))
+            if probe.idle and arriving:
+                time.sleep(float(rng.uniform(2 * WAKE_AFTER_S, probe.idle)))
+            for _ in range(arriving):
                 prompt, params = pending.pop(0)
                 engine.add_request(f"probe-{len(pending)}", prompt, params)
-                if probe.stagger:
-                    break
             step += 1
             recorder.shape = None
             start = time.perf_counter()

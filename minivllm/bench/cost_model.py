@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class StepShape:
     prefill_attention: int = 0  # (query, K/V token) pairs of the prefill chunks: causal, so a chunk of n
     # tokens after c computed ones has n*c + n(n+1)/2 (chunking a prompt does not change its total)
     num_seqs: int = 0  # sequences in the step (each samples or is a chunk)
+    woke: int = 0  # 1: the engine sat idle before this step (see IdleWatch); set by whoever runs the step
 
     @property
     def rows(self) -> int:
@@ -53,6 +55,29 @@ class StepShape:
         return shape
 
 
+# The first step after the engine sat idle can cost far more than its shape: on this machine (2 shared
+# cores) a 64-token prefill that met an idle engine took 61-135 ms against 43 ms back to back in one
+# sitting (2026-12-01, 04:30), and nothing extra in another (05:45). It is the machine, not the engine
+# (LLM.generate after sleeping shows it too), so calibration measures it as it is on the day, from
+# probes that sleep before each request. An idle spell shorter than this is not counted: steps back to
+# back are a few milliseconds apart, while a request waited for comes tens of milliseconds later.
+WAKE_AFTER_S = 0.01
+
+
+class IdleWatch:
+    """Tells a runner whether the step it starts follows an idle spell of the engine: a gap of
+    WAKE_AFTER_S or more since the previous step ended, on the engine's clock."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock, self.last_end = clock, clock()
+
+    def woke(self) -> int:
+        return int(self.clock() - self.last_end >= WAKE_AFTER_S)
+
+    def ended(self) -> None:
+        self.last_end = self.clock()
+
+
 # The linear model's terms: a constant per step, then counts of the step's work. What each costs:
 #   step               the fixed part: weights streamed once, per-layer launches, the step's Python
 #   rows               a row of the step's tokens: a prompt token, a decode, or static batching's padding
@@ -61,16 +86,18 @@ class StepShape:
 #   decode_seqs        a decode beyond its row: its attention span, logits row, sampling, detokenizing
 #   decode_context     a K/V token read by a decode's attention
 #   prefill_attention  a (query, K/V token) pair of a prefill chunk: prefill's quadratic attention
+#   wake               the first step after an idle spell: what waking the machine adds to it
 # Padding is a row and nothing more, by construction: a term of its own was fitted from the few
 # padded steps of the probes and came out dearer than a decode (calibration of 2026-11-30).
 # A row costs the same at any row count: the GEMMs share every row count evenly between threads (a
 # `gemm_rows` term once priced the rows of the busiest thread, when a step just past 64 rows gave one
 # thread a whole block of 64: the kernels now split by columns, calibration of 2026-12-01).
-TERMS = ("step", "rows", "prefill_seqs", "decode_seqs", "decode_context", "prefill_attention")
+TERMS = ("step", "rows", "prefill_seqs", "decode_seqs", "decode_context", "prefill_attention", "wake")
 
 
 def features(shape: StepShape) -> list[float]:
-    return [1.0, shape.rows, shape.prefill_seqs, shape.decode_seqs, shape.decode_context, shape.prefill_attention]
+    return [1.0, shape.rows, shape.prefill_seqs, shape.decode_seqs, shape.decode_context, shape.prefill_attention,
+            shape.woke]
 
 
 @dataclass
@@ -88,7 +115,7 @@ class LinearCost:
         self._weights = [self.coefficients[t] for t in TERMS]
 
     def step_time(self, shape: StepShape) -> float:
-        # Plain Python: a numpy call per step costs more than the sum of six products.
+        # Plain Python: a numpy call per step costs more than the sum of seven products.
         return sum(w * x for w, x in zip(self._weights, features(shape)))
 
     def to_dict(self) -> dict:

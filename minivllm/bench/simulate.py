@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from minivllm.bench.compare import SystemRun, replay_engine
-from minivllm.bench.cost_model import CostModel, StepShape
+from minivllm.bench.cost_model import CostModel, IdleWatch, StepShape
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, ModelParts, num_kv_blocks
@@ -45,14 +45,18 @@ class VirtualClock:
 
 
 class CostRunner:
-    """Stands in for ModelRunner: a step costs what the cost model says, on the virtual clock."""
+    """Stands in for ModelRunner: a step costs what the cost model says, on the virtual clock (the
+    first step after the engine slept costs its wake-up too)."""
 
     def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
-        self.cost, self.clock = cost, clock
+        self.cost, self.clock, self.idle = cost, clock, IdleWatch(clock)
         self.prepare_time = 0.0  # the engine's step breakdown reads it
 
     def execute(self, sched: SchedulerOutput) -> None:
-        self.clock.sleep(self.cost.step_time(StepShape.of(sched)))
+        shape = StepShape.of(sched)
+        shape.woke = self.idle.woke()
+        self.clock.sleep(self.cost.step_time(shape))
+        self.idle.ended()
 
 
 class FixedTokenSampler:
@@ -217,16 +221,21 @@ def validate(cases: list[tuple[str, str, EngineConfig, list[BenchRequest]]], mod
              cost: CostModel, out_dir: str, show_progress: bool, repeats: int = 1) -> list[Validation]:
     """Each (workload, setting, config, requests) runs `repeats` times on the real engine, then once in the
     simulator (deterministic for a profile). The real runs' median is the measured figure: one run on a
-    shared 2-core machine moves by 10-20 %, and a median of several is what a prediction should meet."""
+    shared 2-core machine moves by 10-20 %, and a median of several is what a prediction should meet.
+    The repeats go round the cases (every case once, then again), so that a slow spell of the machine,
+    which lasts tens of seconds here, slows one run of several cases rather than every run of one."""
     from minivllm.bench.compare import run_engine, summarize
 
+    reals: list[list] = [[] for _ in cases]
+    for r in range(repeats):
+        for i, (_, _, config, requests) in enumerate(cases):
+            reals[i].append(summarize(run_engine(config, requests,
+                                                 f"{out_dir}/measured-{i}{f'-{r}' if r else ''}.csv", show_progress)))
     results = []
     for i, (workload, setting, config, requests) in enumerate(cases):
-        reals = [summarize(run_engine(config, requests, f"{out_dir}/measured-{i}{f'-{r}' if r else ''}.csv",
-                                      show_progress)) for r in range(repeats)]
         sim = summarize(simulate_engine(config, requests, model_config, cost, f"{out_dir}/predicted-{i}.csv",
                                         show_progress))
-        runs = {k: [f(real) for real in reals] for k, f in VALIDATED.items()}
+        runs = {k: [f(real) for real in reals[i]] for k, f in VALIDATED.items()}
         results.append(Validation(workload, setting, {k: float(np.median(v)) for k, v in runs.items()},
                                   {k: f(sim) for k, f in VALIDATED.items()},
                                   {k: (min(v), max(v)) for k, v in runs.items()}))
