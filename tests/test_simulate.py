@@ -247,8 +247,10 @@ def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tm
     for v in res["validation"]:
         for key, (low, high) in v["measured_range"].items():
             assert low <= v["measured"][key] <= high  # the median of the three runs
+        # Each real run's steps, timed against the hand-written model's time for the same steps.
+        assert len(v["steps_vs_model"]) == 3 and all(-1 < r < 1000 for r in v["steps_vs_model"])
     assert len(list((tmp_path / "v").glob("measured-0*.csv"))) == 3  # three real runs of the first setting
     table = capsys.readouterr().out
-    assert "[range]" in table and "cells within 10 %" in table
+    assert "[range]" in table and "cells within 10 %" in table and "real steps vs model" in table
     with pytest.raises(SystemExit, match="at least 1"):
         main(["bench", "simulate", "--profile", str(profile), "--validate", "compare", "--validate-repeats", "0"])

@@ -66,14 +66,16 @@ class ShapeRecorder:
     """Wraps the engine's runner to note the shape of each step it runs, and whether it woke the engine."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.shape, self.idle = runner, None, IdleWatch(time.perf_counter)
+        self.runner, self.idle = runner, IdleWatch(time.perf_counter)
+        self.shapes: list[StepShape] = []
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
     def execute(self, sched: SchedulerOutput):
-        self.shape = StepShape.of(sched)
-        self.shape.woke = self.idle.woke()
+        shape = StepShape.of(sched)
+        shape.woke = self.idle.woke()
+        self.shapes.append(shape)
         try:
             return self.runner.execute(sched)
         finally:
@@ -108,7 +110,7 @@ def run_probe(engine: LLMEngine, probe: Probe, rng: np.random.Generator) -> tupl
     pending = _requests(probe, engine.model_config.vocab_size, rng)
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
-    shapes, seconds = [], []
+    seconds = []
     step = 0
     try:
         while pending or engine.has_unfinished_requests():
@@ -119,15 +121,14 @@ def run_probe(engine: LLMEngine, probe: Probe, rng: np.random.Generator) -> tupl
                 prompt, params = pending.pop(0)
                 engine.add_request(f"probe-{len(pending)}", prompt, params)
             step += 1
-            recorder.shape = None
+            num_recorded = len(recorder.shapes)
             start = time.perf_counter()
             engine.step()
-            if recorder.shape is not None:
-                shapes.append(recorder.shape)
+            if len(recorder.shapes) > num_recorded:  # a step that ran the model (one with nothing to run does not)
                 seconds.append(time.perf_counter() - start)
     finally:
         engine.runner = recorder.runner
-    return shapes, seconds
+    return recorder.shapes, seconds
 
 
 @dataclass

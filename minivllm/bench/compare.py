@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -73,9 +74,13 @@ def replay_engine(engine: LLMEngine, requests: list[BenchRequest], name: str, sh
 
 
 def run_engine(config: EngineConfig, requests: list[BenchRequest], trace_path: str,
-               show_progress: bool = True) -> SystemRun:
+               show_progress: bool = True, wrap_runner: Callable[[Any], Any] | None = None) -> SystemRun:
+    """`wrap_runner`, if given, wraps the model runner after the warm-up (the simulator's validation
+    notes each step's shape that way)."""
     engine = LLMEngine(config)
     warm_up(engine)
+    if wrap_runner is not None:
+        engine.runner = wrap_runner(engine.runner)
     engine.tracer = StepTracer(trace_path, engine.start_time, run_record(config))  # from here on: the warm-up stays out
     try:
         return replay_engine(engine, requests, config.scheduler, show_progress)

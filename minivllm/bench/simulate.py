@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from minivllm.bench.compare import SystemRun, replay_engine
+from minivllm.bench.compare import SystemRun, SystemSummary, replay_engine
 from minivllm.bench.cost_model import CostModel, IdleWatch, StepShape
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
@@ -202,6 +202,7 @@ class Validation:
     measured: dict[str, float]
     predicted: dict[str, float]
     measured_range: dict[str, tuple[float, float]]
+    steps_vs_model: list[float]  # per real run: its steps' measured time / the model's time for them, - 1
 
     @property
     def errors(self) -> dict[str, float]:
@@ -224,30 +225,50 @@ def validate(cases: list[tuple[str, str, EngineConfig, list[BenchRequest]]], mod
     shared 2-core machine moves by 10-20 %, and a median of several is what a prediction should meet.
     The repeats go round the cases (every case once, then again), so that a slow spell of the machine,
     which lasts tens of seconds here, slows one run of several cases rather than every run of one."""
-    from minivllm.bench.compare import run_engine, summarize
+    from minivllm.bench.compare import summarize
 
     reals: list[list] = [[] for _ in cases]
     for r in range(repeats):
         for i, (_, _, config, requests) in enumerate(cases):
-            reals[i].append(summarize(run_engine(config, requests,
-                                                 f"{out_dir}/measured-{i}{f'-{r}' if r else ''}.csv", show_progress)))
+            reals[i].append(_real_run(config, requests, f"{out_dir}/measured-{i}{f'-{r}' if r else ''}.csv", cost,
+                                      show_progress))
     results = []
     for i, (workload, setting, config, requests) in enumerate(cases):
         sim = summarize(simulate_engine(config, requests, model_config, cost, f"{out_dir}/predicted-{i}.csv",
                                         show_progress))
-        runs = {k: [f(real) for real in reals[i]] for k, f in VALIDATED.items()}
+        runs = {k: [f(summary) for summary, _ in reals[i]] for k, f in VALIDATED.items()}
         results.append(Validation(workload, setting, {k: float(np.median(v)) for k, v in runs.items()},
                                   {k: f(sim) for k, f in VALIDATED.items()},
-                                  {k: (min(v), max(v)) for k, v in runs.items()}))
+                                  {k: (min(v), max(v)) for k, v in runs.items()}, [ratio for _, ratio in reals[i]]))
     return results
+
+
+def _real_run(config: EngineConfig, requests: list[BenchRequest], trace_path: str, cost: CostModel,
+              show_progress: bool) -> tuple[SystemSummary, float]:
+    """A real run's summary, and its steps' measured time against the cost model's time for those very
+    steps (their shapes noted as they ran): how fast the machine ran then, against its calibration.
+    The model fits its calibration's steps to within a few percent of their total, so where this is
+    far from 0 the machine itself ran faster or slower than when it was calibrated."""
+    from minivllm.bench.calibrate import ShapeRecorder
+    from minivllm.bench.compare import run_engine, summarize
+
+    recorders: list[ShapeRecorder] = []
+
+    def record(runner) -> ShapeRecorder:
+        recorders.append(ShapeRecorder(runner))
+        return recorders[-1]
+
+    run = run_engine(config, requests, trace_path, show_progress, wrap_runner=record)
+    modeled = sum(cost.step_time(shape) for shape in recorders[0].shapes)
+    return summarize(run), sum(row.t_end - row.t_start for row in run.rows) / modeled - 1
 
 
 def validation_table(results: list[Validation]) -> str:
     """Markdown: measured / predicted (error) per cell; with several real runs, their range, and a * where
-    the prediction lies inside it."""
+    the prediction lies inside it; then how the real runs' steps compared with the model's time for them."""
     ranged = any(lo != hi for v in results for lo, hi in v.measured_range.values())
     head = " | ".join(f"{k} measured{' [range]' if ranged else ''} / predicted (error)" for k in VALIDATED)
-    lines = [f"| workload | setting | {head} |", "|---|---|" + "---:|" * len(VALIDATED)]
+    lines = [f"| workload | setting | {head} | real steps vs model |", "|---|---|" + "---:|" * (len(VALIDATED) + 1)]
     for v in results:
         cells = []
         for k in VALIDATED:
@@ -255,6 +276,8 @@ def validation_table(results: list[Validation]) -> str:
             spread = f" [{lo:,.1f}-{hi:,.1f}]" if ranged else ""
             star = "*" if ranged and v.in_range(k) else ""
             cells.append(f"{v.measured[k]:,.1f}{spread} / {v.predicted[k]:,.1f} ({v.errors[k]:+.0%}){star}")
+        steps = v.steps_vs_model
+        cells.append(f"{np.median(steps):+.0%}" + (f" [{min(steps):+.0%}..{max(steps):+.0%}]" if len(steps) > 1 else ""))
         lines.append(f"| {v.workload} | {v.setting} | {' | '.join(cells)} |")
     errors = [abs(e) for v in results for e in v.errors.values()]
     within = sum(e <= 0.10 for e in errors)
@@ -262,6 +285,8 @@ def validation_table(results: list[Validation]) -> str:
                  "(target: all)")
     if ranged:
         lines.append("*: the prediction lies within the real runs' range")
+    lines.append("real steps vs model: each real run's steps took this much more (+) or less (-) time than the "
+                 "model gives for the same steps: the machine's speed then, against its calibration")
     return "\n".join(lines)
 
 
