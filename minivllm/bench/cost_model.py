@@ -226,7 +226,7 @@ def model_config_of(name_or_path: str) -> ModelConfig:
 class RooflineCost:
     """A step takes the longer of its FLOPs at the achievable rate and its bytes (weights read once,
     K/V read and written) at the achievable bandwidth, plus a fixed overhead. Tensor parallelism
-    multiplies rate, bandwidth and memory (communication is not modeled)."""
+    multiplies rate, bandwidth and memory (communication and waking an idle machine are not modeled)."""
 
     gpu: GpuSpec
     model: ModelConfig
