@@ -84,7 +84,7 @@ def _hand_written_profile(tmp_path) -> Path:
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
         step=0.004, rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6, prefill_attention=0.0,
-        wake=0.0)}))
+        wake=0.0, after_prefill=0.0)}))
     return profile
 
 
@@ -145,15 +145,18 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     # The idle probe's requests each wake the engine with their prefill; every other step follows another.
     woke = [r for r in rows if r["woke"]]
     assert len(woke) == 3 and all(r["prefill_tokens"] and not r["decode_seqs"] for r in woke)
+    # Each decode-only step counts the steps since the last prefill; a step with a prefill has none.
+    assert {r["steps_after_prefill"] for r in rows if not r["prefill_tokens"]} >= {1, 2}
+    assert all(r["steps_after_prefill"] == 0 for r in rows if r["prefill_tokens"])
 
 
-def test_the_first_step_after_an_idle_spell_costs_the_wake_up():
+def test_a_step_costs_what_it_follows_an_idle_spell_and_a_prefill():
     from minivllm.bench.simulate import simulated_engine
     from minivllm.bench.workloads import load_tokenizer
     from minivllm.sampling_params import SamplingParams
 
     _, model_config = load_tokenizer(None)
-    cost = LinearCost(dict.fromkeys(TERMS, 0.0) | {"step": 0.01, "wake": 0.03}, "hand-written")
+    cost = LinearCost(dict.fromkeys(TERMS, 0.0) | {"step": 0.01, "wake": 0.03, "after_prefill": 0.008}, "hand-written")
     engine, clock = simulated_engine(EngineConfig(num_kv_blocks=16), model_config, cost)
 
     def steps() -> list[float]:
@@ -164,16 +167,19 @@ def test_the_first_step_after_an_idle_spell_costs_the_wake_up():
             times.append(round(clock.now - start, 9))
         return times
 
+    # Its arrival met an engine just started: no idle spell. The decodes after its prefill cost the
+    # after-prefill term, fading by an eighth a step.
     engine.add_request("first", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert steps() == [0.01] * 3  # its arrival met an engine just started: no idle spell
+    assert steps() == [0.01, 0.018, 0.017]
     clock.sleep(0.5)
-    engine.add_request("after-idle", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert steps() == [0.04, 0.01, 0.01]
+    engine.add_request("after-idle", [1, 2, 3], SamplingParams(max_tokens=11, ignore_eos=True))
+    assert steps() == [0.04] + [round(0.01 + 0.008 * (1 - k / 8), 9) for k in range(8)] + [0.01, 0.01]
 
 
 def test_padding_costs_a_row_and_an_older_profile_is_refused():
     cost = LinearCost({"step": 0.005, "rows": 7e-4, "prefill_seqs": 4e-3, "decode_seqs": 3e-4,
-                       "decode_context": 2e-6, "prefill_attention": 6e-7, "wake": 0.0}, "hand-written")
+                       "decode_context": 2e-6, "prefill_attention": 6e-7, "wake": 0.0,
+                       "after_prefill": 0.0}, "hand-written")
     live = StepShape(decode_seqs=2, decode_context=300, num_seqs=2)
     padded = StepShape(decode_seqs=2, decode_context=300, num_seqs=2, padding_tokens=6)
     prompt = StepShape(prefill_tokens=6, prefill_seqs=1, prefill_attention=21, num_seqs=1)
@@ -221,15 +227,16 @@ def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
     assert whole == 100 * 101 // 2 == sum(chunk(c, 25).prefill_attention for c in range(0, 100, 25))
 
     rng = np.random.default_rng(0)
-    truth = dict(zip(TERMS, [0.02, 5e-4, 4e-3, 2e-3, 2e-6, 5e-7, 0.03]))
+    truth = dict(zip(TERMS, [0.02, 5e-4, 4e-3, 2e-3, 2e-6, 5e-7, 0.03, 0.004]))
     groups = []
     for _ in range(5):
         shapes = [StepShape(prefill_tokens=int(p), prefill_seqs=int(k), decode_seqs=int(d), padding_tokens=int(pad),
-                            decode_context=int(d * c), prefill_attention=int(p * a), woke=int(w))
-                  for p, k, d, pad, c, a, w in zip(rng.integers(0, 512, 40), rng.integers(1, 4, 40),
-                                                   rng.integers(0, 64, 40), rng.integers(0, 32, 40),
-                                                   rng.integers(16, 1024, 40), rng.integers(1, 1024, 40),
-                                                   rng.random(40) < 0.1)]
+                            decode_context=int(d * c), prefill_attention=int(p * a), woke=int(w),
+                            steps_after_prefill=int(after))
+                  for p, k, d, pad, c, a, w, after in zip(rng.integers(0, 512, 40), rng.integers(1, 4, 40),
+                                                          rng.integers(0, 64, 40), rng.integers(0, 32, 40),
+                                                          rng.integers(16, 1024, 40), rng.integers(1, 1024, 40),
+                                                          rng.random(40) < 0.1, rng.integers(0, 12, 40))]
         groups.append((shapes, [float(np.dot(list(truth.values()), features(s))) for s in shapes]))
     fitted = fit_linear([s for g in groups for s in g[0]], [t for g in groups for t in g[1]])
     assert all(abs(fitted[t] - truth[t]) <= 1e-6 * max(truth[t], 1e-3) for t in TERMS)

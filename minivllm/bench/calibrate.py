@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 from tqdm import tqdm
 
-from minivllm.bench.cost_model import (INTERFERED, WAKE_AFTER_S, FitError, IdleWatch, LinearCost, StepShape,
+from minivllm.bench.cost_model import (INTERFERED, WAKE_AFTER_S, FitError, LinearCost, StepHistory, StepShape,
                                        fit_linear, held_out_error)
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -63,10 +63,10 @@ WARM_UPS = {"default": Probe(8, 256, 8), "tiny": Probe(1, 16, 2)}
 
 
 class ShapeRecorder:
-    """Wraps the engine's runner to note the shape of each step it runs, and whether it woke the engine."""
+    """Wraps the engine's runner to note the shape of each step it runs, with what it follows."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.idle = runner, IdleWatch(time.perf_counter)
+        self.runner, self.history = runner, StepHistory(time.perf_counter)
         self.shapes: list[StepShape] = []
 
     def __getattr__(self, name: str):
@@ -74,12 +74,12 @@ class ShapeRecorder:
 
     def execute(self, sched: SchedulerOutput):
         shape = StepShape.of(sched)
-        shape.woke = self.idle.woke()
+        self.history.starting(shape)
         self.shapes.append(shape)
         try:
             return self.runner.execute(sched)
         finally:
-            self.idle.ended()
+            self.history.ended()
 
 
 def _requests(probe: Probe, vocab: int, rng: np.random.Generator) -> list[tuple[list[int], SamplingParams]]:

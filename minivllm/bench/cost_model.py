@@ -32,7 +32,8 @@ class StepShape:
     prefill_attention: int = 0  # (query, K/V token) pairs of the prefill chunks: causal, so a chunk of n
     # tokens after c computed ones has n*c + n(n+1)/2 (chunking a prompt does not change its total)
     num_seqs: int = 0  # sequences in the step (each samples or is a chunk)
-    woke: int = 0  # 1: the engine sat idle before this step (see IdleWatch); set by whoever runs the step
+    woke: int = 0  # 1: the engine sat idle before this step (see StepHistory); set by whoever runs the step
+    steps_after_prefill: int = 0  # a step with no prefill: steps since the last one with a prefill (1: next)
 
     @property
     def rows(self) -> int:
@@ -62,17 +63,27 @@ class StepShape:
 # probes that sleep before each request. An idle spell shorter than this is not counted: steps back to
 # back are a few milliseconds apart, while a request waited for comes tens of milliseconds later.
 WAKE_AFTER_S = 0.01
+# The decode steps right after a prefill cost more than their shape, a fixed 1-5 ms that fades over
+# some 8 steps (every probe of the calibrations of 2026-12-01 shows it, 15-45 % of a small step).
+AFTER_PREFILL_STEPS = 8
 
 
-class IdleWatch:
-    """Tells a runner whether the step it starts follows an idle spell of the engine: a gap of
-    WAKE_AFTER_S or more since the previous step ended, on the engine's clock."""
+class StepHistory:
+    """What a step follows, which its shape does not say: an idle spell of the engine (a gap of
+    WAKE_AFTER_S or more since the previous step ended, on the engine's clock), and how many steps
+    ago a prefill ran. A runner notes both on each step's shape (`starting`) and tells when it ends."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock, self.last_end = clock, clock()
+        self.steps_since_prefill: int | None = None  # None: no prefill yet
 
-    def woke(self) -> int:
-        return int(self.clock() - self.last_end >= WAKE_AFTER_S)
+    def starting(self, shape: StepShape) -> None:
+        shape.woke = int(self.clock() - self.last_end >= WAKE_AFTER_S)
+        if shape.prefill_tokens:
+            self.steps_since_prefill = 0
+        elif self.steps_since_prefill is not None:
+            self.steps_since_prefill += 1
+            shape.steps_after_prefill = self.steps_since_prefill
 
     def ended(self) -> None:
         self.last_end = self.clock()
@@ -87,17 +98,21 @@ class IdleWatch:
 #   decode_context     a K/V token read by a decode's attention
 #   prefill_attention  a (query, K/V token) pair of a prefill chunk: prefill's quadratic attention
 #   wake               the first step after an idle spell: what waking the machine adds to it
+#   after_prefill      a step with no prefill right after one that had it, fading linearly to 0 over
+#                      AFTER_PREFILL_STEPS steps
 # Padding is a row and nothing more, by construction: a term of its own was fitted from the few
 # padded steps of the probes and came out dearer than a decode (calibration of 2026-11-30).
 # A row costs the same at any row count: the GEMMs share every row count evenly between threads (a
 # `gemm_rows` term once priced the rows of the busiest thread, when a step just past 64 rows gave one
 # thread a whole block of 64: the kernels now split by columns, calibration of 2026-12-01).
-TERMS = ("step", "rows", "prefill_seqs", "decode_seqs", "decode_context", "prefill_attention", "wake")
+TERMS = ("step", "rows", "prefill_seqs", "decode_seqs", "decode_context", "prefill_attention", "wake",
+         "after_prefill")
 
 
 def features(shape: StepShape) -> list[float]:
+    k = shape.steps_after_prefill
     return [1.0, shape.rows, shape.prefill_seqs, shape.decode_seqs, shape.decode_context, shape.prefill_attention,
-            shape.woke]
+            shape.woke, max(0.0, 1.0 - (k - 1) / AFTER_PREFILL_STEPS) if k else 0.0]
 
 
 @dataclass
@@ -115,7 +130,7 @@ class LinearCost:
         self._weights = [self.coefficients[t] for t in TERMS]
 
     def step_time(self, shape: StepShape) -> float:
-        # Plain Python: a numpy call per step costs more than the sum of seven products.
+        # Plain Python: a numpy call per step costs more than the sum of eight products.
         return sum(w * x for w, x in zip(self._weights, features(shape)))
 
     def to_dict(self) -> dict:

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from minivllm.bench.compare import SystemRun, SystemSummary, replay_engine
-from minivllm.bench.cost_model import CostModel, IdleWatch, StepShape
+from minivllm.bench.cost_model import CostModel, StepHistory, StepShape
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, ModelParts, num_kv_blocks
@@ -45,18 +45,18 @@ class VirtualClock:
 
 
 class CostRunner:
-    """Stands in for ModelRunner: a step costs what the cost model says, on the virtual clock (the
-    first step after the engine slept costs its wake-up too)."""
+    """Stands in for ModelRunner: a step costs what the cost model says, on the virtual clock (with
+    what it follows: the first step after the engine slept costs its wake-up too)."""
 
     def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
-        self.cost, self.clock, self.idle = cost, clock, IdleWatch(clock)
+        self.cost, self.clock, self.history = cost, clock, StepHistory(clock)
         self.prepare_time = 0.0  # the engine's step breakdown reads it
 
     def execute(self, sched: SchedulerOutput) -> None:
         shape = StepShape.of(sched)
-        shape.woke = self.idle.woke()
+        self.history.starting(shape)
         self.clock.sleep(self.cost.step_time(shape))
-        self.idle.ended()
+        self.history.ended()
 
 
 class FixedTokenSampler:
