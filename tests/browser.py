@@ -6,8 +6,10 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -29,12 +31,14 @@ class Browser:
         from websockets.sync.client import connect
 
         self._stack = contextlib.ExitStack()
-        self._profile = tempfile.TemporaryDirectory(prefix="minivllm-chromium-")
+        # Chromium's helper processes can outlive the main one for a moment and still write to the
+        # profile: its removal must not fail the test run (a teardown error once did, 2026-12-01).
+        self._profile = tempfile.TemporaryDirectory(prefix="minivllm-chromium-", ignore_cleanup_errors=True)
         self.proc = subprocess.Popen(
             [executable, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
              "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", f"--window-size={width},{height}",
              f"--user-data-dir={self._profile.name}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         port = self._devtools_port()
         pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list").json() if t["type"] == "page"]
         self._ws = self._stack.enter_context(connect(pages[0]["webSocketDebuggerUrl"], max_size=2**26))
@@ -87,12 +91,13 @@ class Browser:
 
     def close(self) -> None:
         self._stack.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # its own session: the helpers go with it
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         self.proc.stderr.close()
         self._profile.cleanup()
