@@ -73,9 +73,7 @@ class ShapeRecorder:
         return getattr(self.runner, name)
 
     def execute(self, sched: SchedulerOutput):
-        shape = StepShape.of(sched)
-        self.history.starting(shape)
-        self.shapes.append(shape)
+        self.shapes.append(self.history.starting(sched))
         try:
             return self.runner.execute(sched)
         finally:

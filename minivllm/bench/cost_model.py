@@ -32,7 +32,7 @@ class StepShape:
     prefill_attention: int = 0  # (query, K/V token) pairs of the prefill chunks: causal, so a chunk of n
     # tokens after c computed ones has n*c + n(n+1)/2 (chunking a prompt does not change its total)
     num_seqs: int = 0  # sequences in the step (each samples or is a chunk)
-    woke: int = 0  # 1: the engine sat idle before this step (see StepHistory); set by whoever runs the step
+    woke: int = 0  # 1: the engine sat idle before this step (StepHistory sets it and the next field)
     steps_after_prefill: int = 0  # a step with no prefill: steps since the last one with a prefill (1: next)
 
     @property
@@ -71,19 +71,22 @@ AFTER_PREFILL_STEPS = 8
 class StepHistory:
     """What a step follows, which its shape does not say: an idle spell of the engine (a gap of
     WAKE_AFTER_S or more since the previous step ended, on the engine's clock), and how many steps
-    ago a prefill ran. A runner notes both on each step's shape (`starting`) and tells when it ends."""
+    ago a prefill ran. A runner takes each step's shape from here (`starting`) and tells when the step
+    ends, so that both are noted the same way in calibration and in the simulator."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock, self.last_end = clock, clock()
         self.steps_since_prefill: int | None = None  # None: no prefill yet
 
-    def starting(self, shape: StepShape) -> None:
+    def starting(self, sched: SchedulerOutput) -> StepShape:
+        shape = StepShape.of(sched)
         shape.woke = int(self.clock() - self.last_end >= WAKE_AFTER_S)
         if shape.prefill_tokens:
             self.steps_since_prefill = 0
         elif self.steps_since_prefill is not None:
             self.steps_since_prefill += 1
             shape.steps_after_prefill = self.steps_since_prefill
+        return shape
 
     def ended(self) -> None:
         self.last_end = self.clock()

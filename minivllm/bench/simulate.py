@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from minivllm.bench.compare import SystemRun, SystemSummary, replay_engine
-from minivllm.bench.cost_model import CostModel, StepHistory, StepShape
+from minivllm.bench.cost_model import CostModel, StepHistory
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, ModelParts, num_kv_blocks
@@ -53,9 +53,7 @@ class CostRunner:
         self.prepare_time = 0.0  # the engine's step breakdown reads it
 
     def execute(self, sched: SchedulerOutput) -> None:
-        shape = StepShape.of(sched)
-        self.history.starting(shape)
-        self.clock.sleep(self.cost.step_time(shape))
+        self.clock.sleep(self.cost.step_time(self.history.starting(sched)))
         self.history.ended()
 
 
