@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from minivllm.bench.compare import SystemSummary, replay_engine
-from minivllm.bench.cost_model import TERMS, LinearCost, StepShape, load_profile
+from minivllm.bench.cost_model import NOISE_QUANTILES, TERMS, LinearCost, StepShape, load_profile
 from minivllm.bench.metrics import ServingMetrics
 from minivllm.bench.simulate import VirtualClock, simulate_engine
 from minivllm.bench.workloads import TokenWindows, mixed_requests, with_arrivals
@@ -84,7 +84,7 @@ def _hand_written_profile(tmp_path) -> Path:
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"kind": "calibrated", "label": "hand-written", "coefficients": dict(
         step=0.004, rows=2e-4, prefill_seqs=0.0, decode_seqs=8e-4, decode_context=1e-6, prefill_attention=0.0,
-        wake=0.0, after_prefill=0.0)}))
+        wake=0.0, after_prefill=0.0), "step_noise": [0.8, 1.0, 1.2]}))
     return profile
 
 
@@ -138,6 +138,9 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     assert set(cost.coefficients) == set(TERMS) and res["num_steps"] > 10
     assert {"median", "total"} <= set(res["held_out_error"])
     assert min(cost.coefficients.values()) >= 0
+    # How the steps spread about the fit: its quantiles, in order, with a mean of 1.
+    assert len(cost.noise) == NOISE_QUANTILES and cost.noise == sorted(cost.noise) and cost.noise[0] < cost.noise[-1]
+    assert abs(np.mean(cost.noise) - 1) < 1e-3
     assert cost.step_time(StepShape(prefill_tokens=64, num_seqs=1)) > 0
     # The static probe's members finish at drawn lengths: their slots pad decode steps beside live ones.
     rows = [dict(zip(res["steps"]["columns"], r)) for r in res["steps"]["rows"]]
@@ -174,6 +177,42 @@ def test_a_step_costs_what_it_follows_an_idle_spell_and_a_prefill():
     clock.sleep(0.5)
     engine.add_request("after-idle", [1, 2, 3], SamplingParams(max_tokens=11, ignore_eos=True))
     assert steps() == [0.04] + [round(0.01 + 0.008 * (1 - k / 8), 9) for k in range(8)] + [0.01, 0.01]
+
+
+def test_step_noise_draws_each_steps_jitter_from_the_calibrated_spread(tmp_path):
+    from minivllm.bench.simulate import StepNoise, simulated_engine
+    from minivllm.bench.workloads import load_tokenizer
+    from minivllm.sampling_params import SamplingParams
+
+    _, model_config = load_tokenizer(None)
+    cost = LinearCost(dict.fromkeys(TERMS, 0.0) | {"step": 0.01}, "hand-written", noise=[0.5, 1.5])
+
+    def step_times(seed: str) -> list[float]:
+        engine, clock = simulated_engine(EngineConfig(num_kv_blocks=16), model_config, cost,
+                                         noise=StepNoise(cost.noise, seed))
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+        times = []
+        while engine.has_unfinished_requests():
+            start = clock.now
+            engine.step()
+            times.append(round(clock.now - start, 9))
+        return times
+
+    first = step_times("0-0")
+    assert set(first) == {0.005, 0.015}  # the model's 10 ms times a drawn quantile, both drawn in 40 steps
+    assert step_times("0-0") == first and step_times("1-0") != first  # seeded
+
+    profile = _hand_written_profile(tmp_path)
+    res = _run_json(tmp_path, "noisy", "simulate", "--profile", str(profile), "--num-prompts", "8",
+                    "--request-rate", "inf", "--scheduler", "continuous", "--step-noise")
+    assert res["summaries"][0]["serving"]["completed"] == 8 and res["cost_model"]["step_noise"] == [0.8, 1.0, 1.2]
+    old = json.loads(profile.read_text())
+    del old["step_noise"]
+    profile.write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match="no step noise"):
+        main(["bench", "simulate", "--profile", str(profile), "--step-noise"])
+    with pytest.raises(SystemExit, match="need a calibrated --profile"):
+        main(["bench", "simulate", "--gpu", "h100", "--step-noise"])
 
 
 def test_padding_costs_a_row_and_an_older_profile_is_refused():
@@ -256,6 +295,10 @@ def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tm
             assert low <= v["measured"][key] <= high  # the median of the three runs
         # Each real run's steps, timed against the hand-written model's time for the same steps.
         assert len(v["steps_vs_model"]) == 3 and all(-1 < r < 1000 for r in v["steps_vs_model"])
+        # The prediction is the median of the noisy simulations; without noise each step takes the model's time.
+        for key, (low, high) in v["predicted_range"].items():
+            assert low <= v["predicted"][key] <= high
+            assert 0.8 * low <= v["predicted_without_noise"][key] <= 1.2 * high
     assert len(list((tmp_path / "v").glob("measured-0*.csv"))) == 3  # three real runs of the first setting
     table = capsys.readouterr().out
     assert "[range]" in table and "cells within 10 %" in table and "real steps vs model" in table

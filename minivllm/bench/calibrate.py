@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from minivllm.bench.cost_model import (INTERFERED, WAKE_AFTER_S, FitError, LinearCost, StepHistory, StepShape,
-                                       fit_linear, held_out_error)
+                                       fit_linear, held_out_error, step_noise)
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import SchedulerOutput
@@ -178,6 +178,8 @@ def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool
         kept = [(s, t) for s, t in zip(*g) if t <= INTERFERED * cost.step_time(s)]
         clean.append(([s for s, _ in kept], [t for _, t in kept]))
     kept_shapes, kept_seconds = [s for g in clean for s in g[0]], [t for g in clean for t in g[1]]
-    return Calibration(cost, FitError.of([cost.step_time(s) for s in kept_shapes], kept_seconds),
+    fitted = [cost.step_time(s) for s in kept_shapes]
+    cost.noise = step_noise(fitted, kept_seconds)
+    return Calibration(cost, FitError.of(fitted, kept_seconds),
                        held_out_error([g for g in clean if g[0]]),
                        [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)], len(seconds) - len(kept_seconds))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +124,9 @@ class LinearCost:
 
     coefficients: dict[str, float]  # one per term of TERMS
     label: str  # what was measured: device, model, dtype
+    # How measured steps spread about their fitted time: NOISE_QUANTILES quantiles of measured / fitted,
+    # scaled to a mean of 1 (`step_noise`); empty where not measured.
+    noise: list[float] = field(default_factory=list)
     modeled: bool = False
 
     def __post_init__(self) -> None:
@@ -137,7 +140,19 @@ class LinearCost:
         return sum(w * x for w, x in zip(self._weights, features(shape)))
 
     def to_dict(self) -> dict:
-        return {"kind": "calibrated", "label": self.label, "coefficients": self.coefficients}
+        return {"kind": "calibrated", "label": self.label, "coefficients": self.coefficients, "step_noise": self.noise}
+
+
+NOISE_QUANTILES = 200
+
+
+def step_noise(fitted: list[float], measured: list[float]) -> list[float]:
+    """The spread of measured steps about the model, for the simulator to draw each step's time from
+    (`--step-noise`). A step's time on this machine is its shape's cost times a jitter of some 15 %;
+    the model gives the mean, and near capacity a queue grows with the spread too (a slow step holds
+    every waiting request). Scaled to a mean of 1, so that the expected time stays the model's."""
+    ratios = np.quantile(np.array(measured) / np.array(fitted), (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES)
+    return [round(float(r), 4) for r in ratios / ratios.mean()]
 
 
 # A step measured at more than this many times its fitted time was slowed by something else on the
@@ -309,7 +324,7 @@ def roofline(gpu: str, model: str, tensor_parallel_size: int = 1) -> RooflineCos
 def load_profile(path: str) -> CostModel:
     data = json.loads(Path(path).read_text())
     if data.get("kind") == "calibrated":
-        return LinearCost(data["coefficients"], data["label"])
+        return LinearCost(data["coefficients"], data["label"], data.get("step_noise", []))
     if data.get("kind") == "modeled":
         return RooflineCost(GpuSpec(**data["gpu"]), ModelConfig(**data["model"]), data["model_name"],
                             data["tensor_parallel_size"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,16 +45,28 @@ class VirtualClock:
         self.now += max(0.0, seconds)
 
 
+class StepNoise:
+    """Draws a step's jitter: one of a calibration's quantiles of measured / fitted step time (mean 1)."""
+
+    def __init__(self, ratios: list[float], seed: str) -> None:
+        self.ratios, self.rng = ratios, random.Random(seed)
+
+    def __call__(self) -> float:
+        return self.rng.choice(self.ratios)
+
+
 class CostRunner:
     """Stands in for ModelRunner: a step costs what the cost model says, on the virtual clock (with
-    what it follows: the first step after the engine slept costs its wake-up too)."""
+    what it follows: the first step after the engine slept costs its wake-up too), times a drawn
+    jitter where the simulation has step noise."""
 
-    def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
-        self.cost, self.clock, self.history = cost, clock, StepHistory(clock)
+    def __init__(self, cost: CostModel, clock: VirtualClock, noise: StepNoise | None) -> None:
+        self.cost, self.clock, self.history, self.noise = cost, clock, StepHistory(clock), noise
         self.prepare_time = 0.0  # the engine's step breakdown reads it
 
     def execute(self, sched: SchedulerOutput) -> None:
-        self.clock.sleep(self.cost.step_time(self.history.starting(sched)))
+        seconds = self.cost.step_time(self.history.starting(sched))
+        self.clock.sleep(seconds * self.noise() if self.noise else seconds)
         self.history.ended()
 
 
@@ -82,19 +95,25 @@ def collector_paused() -> Iterator[None]:
 
 
 def simulated_engine(config: EngineConfig, model_config: ModelConfig, cost: CostModel,
-                     trace_path: str | None = None) -> tuple[LLMEngine, VirtualClock]:
+                     trace_path: str | None = None, noise: StepNoise | None = None) -> tuple[LLMEngine, VirtualClock]:
     clock = VirtualClock()
-    parts = ModelParts(model_config, None, CostRunner(cost, clock), FixedTokenSampler(model_config),
+    parts = ModelParts(model_config, None, CostRunner(cost, clock, noise), FixedTokenSampler(model_config),
                        num_kv_blocks(config, model_config, config.torch_dtype))
     engine = LLMEngine(config, parts=parts, clock=clock)
     engine.tracer = StepTracer(trace_path, engine.start_time, run_record(config))  # rows in memory; files with a path
     return engine, clock
 
 
+def noise_for(cost: CostModel, seed: int | None, replica: int = 0) -> StepNoise | None:
+    """The noise of a simulation seeded `seed` (None: none), for one of its replicas."""
+    return None if seed is None else StepNoise(cost.noise, f"{seed}-{replica}")
+
+
 def simulate_engine(config: EngineConfig, requests: list[BenchRequest], model_config: ModelConfig,
-                    cost: CostModel, trace_path: str | None = None, show_progress: bool = True) -> SystemRun:
+                    cost: CostModel, trace_path: str | None = None, show_progress: bool = True,
+                    noise_seed: int | None = None) -> SystemRun:
     """One engine: bench compare's replay loop, on the virtual clock."""
-    engine, clock = simulated_engine(config, model_config, cost, trace_path)
+    engine, clock = simulated_engine(config, model_config, cost, trace_path, noise_for(cost, noise_seed))
     try:
         with collector_paused():
             return replay_engine(engine, requests, config.scheduler, show_progress, sleep=clock.sleep)
@@ -104,14 +123,15 @@ def simulate_engine(config: EngineConfig, requests: list[BenchRequest], model_co
 
 def simulate_cluster(config: EngineConfig, requests: list[BenchRequest], model_config: ModelConfig,
                      cost: CostModel, num_replicas: int, routing: str, trace_dir: str | None = None,
-                     show_progress: bool = True) -> SystemRun:
+                     show_progress: bool = True, noise_seed: int | None = None) -> SystemRun:
     """N engines behind a router. Events run in time order: an arrival is routed (on the load the
     router has booked) before any replica's step that starts later; else the replica whose next
     step starts first takes it."""
     if num_replicas == 1:
         return simulate_engine(config, requests, model_config, cost,
-                               trace_dir and f"{trace_dir}/{config.scheduler}.csv", show_progress)
-    engines = [simulated_engine(config, model_config, cost, trace_dir and f"{trace_dir}/{config.scheduler}-{i}.csv")
+                               trace_dir and f"{trace_dir}/{config.scheduler}.csv", show_progress, noise_seed)
+    engines = [simulated_engine(config, model_config, cost, trace_dir and f"{trace_dir}/{config.scheduler}-{i}.csv",
+                                noise_for(cost, noise_seed, i))
                for i in range(num_replicas)]
     args = {"block_size": config.block_size} if routing == "prefix-aware" else {}
     router = Router.create(routing, [f"replica-{i}" for i in range(num_replicas)], **args)
@@ -194,12 +214,15 @@ def slo_text(search: SloSearch, label: str) -> str:
 # -- validation: predicted against measured on this machine -------------------------------------------
 @dataclass
 class Validation:
-    """One workload and setting: each metric's median over the real runs (and their range), and the prediction."""
+    """One workload and setting: each metric's median over the real runs and over the simulations with
+    step noise (and their ranges), and the simulation without noise."""
     workload: str
     setting: str
     measured: dict[str, float]
     predicted: dict[str, float]
     measured_range: dict[str, tuple[float, float]]
+    predicted_range: dict[str, tuple[float, float]]
+    predicted_without_noise: dict[str, float]  # each step at the model's time
     steps_vs_model: list[float]  # per real run: its steps' measured time / the model's time for them, - 1
 
     @property
@@ -216,13 +239,24 @@ VALIDATED = {"throughput (tok/s)": lambda s: s.serving.total_token_throughput,
              "TPOT P50 (ms)": lambda s: s.serving.tpot_ms.p(50)}
 
 
+# Simulations with step noise per validated setting: their median is the prediction. A median of 21
+# moves by a few percent between seed sets in the most sensitive setting (static batching near its
+# capacity); the 189 simulations of `--validate all` take about a minute.
+NOISY_SIMULATIONS = 21
+
+
 def validate(cases: list[tuple[str, str, EngineConfig, list[BenchRequest]]], model_config: ModelConfig,
              cost: CostModel, out_dir: str, show_progress: bool, repeats: int = 1) -> list[Validation]:
-    """Each (workload, setting, config, requests) runs `repeats` times on the real engine, then once in the
-    simulator (deterministic for a profile). The real runs' median is the measured figure: one run on a
-    shared 2-core machine moves by 10-20 %, and a median of several is what a prediction should meet.
-    The repeats go round the cases (every case once, then again), so that a slow spell of the machine,
-    which lasts tens of seconds here, slows one run of several cases rather than every run of one."""
+    """Each (workload, setting, config, requests) runs `repeats` times on the real engine, then in the
+    simulator, NOISY_SIMULATIONS times with step noise (seeds 0, 1, ...) and once without.
+
+    Medians meet medians. One real run on a shared 2-core machine moves by 10-20 %, so the measured
+    figure is the median of several. Its steps jitter too, and near capacity a queue feels the spread,
+    not only the mean: a model that gives each step its mean time predicts shorter queues than the
+    machine has. So the prediction is the median of simulations whose steps spread as calibration
+    measured them. The repeats go round the cases (every case once, then again), so that a slow spell
+    of the machine, which lasts tens of seconds here, slows one run of several cases rather than every
+    run of one."""
     from minivllm.bench.compare import summarize
 
     reals: list[list] = [[] for _ in cases]
@@ -232,13 +266,24 @@ def validate(cases: list[tuple[str, str, EngineConfig, list[BenchRequest]]], mod
                                       show_progress))
     results = []
     for i, (workload, setting, config, requests) in enumerate(cases):
-        sim = summarize(simulate_engine(config, requests, model_config, cost, f"{out_dir}/predicted-{i}.csv",
-                                        show_progress))
+        plain = summarize(simulate_engine(config, requests, model_config, cost, f"{out_dir}/predicted-{i}.csv",
+                                          show_progress))
+        sims = [summarize(simulate_engine(config, requests, model_config, cost, None, False, seed))
+                for seed in range(NOISY_SIMULATIONS)]
         runs = {k: [f(summary) for summary, _ in reals[i]] for k, f in VALIDATED.items()}
-        results.append(Validation(workload, setting, {k: float(np.median(v)) for k, v in runs.items()},
-                                  {k: f(sim) for k, f in VALIDATED.items()},
-                                  {k: (min(v), max(v)) for k, v in runs.items()}, [ratio for _, ratio in reals[i]]))
+        predictions = {k: [f(summary) for summary in sims] for k, f in VALIDATED.items()}
+        results.append(Validation(workload, setting, _medians(runs), _medians(predictions), _ranges(runs),
+                                  _ranges(predictions), {k: f(plain) for k, f in VALIDATED.items()},
+                                  [ratio for _, ratio in reals[i]]))
     return results
+
+
+def _medians(values: dict[str, list[float]]) -> dict[str, float]:
+    return {k: float(np.median(v)) for k, v in values.items()}
+
+
+def _ranges(values: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    return {k: (min(v), max(v)) for k, v in values.items()}
 
 
 def _real_run(config: EngineConfig, requests: list[BenchRequest], trace_path: str, cost: CostModel,
@@ -262,10 +307,11 @@ def _real_run(config: EngineConfig, requests: list[BenchRequest], trace_path: st
 
 
 def validation_table(results: list[Validation]) -> str:
-    """Markdown: measured / predicted (error) per cell; with several real runs, their range, and a * where
-    the prediction lies inside it; then how the real runs' steps compared with the model's time for them."""
+    """Markdown: measured / predicted (error) per cell, with the simulations' range; with several real
+    runs, their range, and a * where the prediction lies inside it; then how the real runs' steps
+    compared with the model's time for them."""
     ranged = any(lo != hi for v in results for lo, hi in v.measured_range.values())
-    head = " | ".join(f"{k} measured{' [range]' if ranged else ''} / predicted (error)" for k in VALIDATED)
+    head = " | ".join(f"{k} measured{' [range]' if ranged else ''} / predicted [range] (error)" for k in VALIDATED)
     lines = [f"| workload | setting | {head} | real steps vs model |", "|---|---|" + "---:|" * (len(VALIDATED) + 1)]
     for v in results:
         cells = []
@@ -273,7 +319,9 @@ def validation_table(results: list[Validation]) -> str:
             lo, hi = v.measured_range[k]
             spread = f" [{lo:,.1f}-{hi:,.1f}]" if ranged else ""
             star = "*" if ranged and v.in_range(k) else ""
-            cells.append(f"{v.measured[k]:,.1f}{spread} / {v.predicted[k]:,.1f} ({v.errors[k]:+.0%}){star}")
+            plo, phi = v.predicted_range[k]
+            cells.append(f"{v.measured[k]:,.1f}{spread} / {v.predicted[k]:,.1f} [{plo:,.1f}-{phi:,.1f}] "
+                         f"({v.errors[k]:+.0%}){star}")
         steps = v.steps_vs_model
         cells.append(f"{np.median(steps):+.0%}" + (f" [{min(steps):+.0%}..{max(steps):+.0%}]" if len(steps) > 1 else ""))
         lines.append(f"| {v.workload} | {v.setting} | {' | '.join(cells)} |")
@@ -281,6 +329,7 @@ def validation_table(results: list[Validation]) -> str:
     within = sum(e <= 0.10 for e in errors)
     lines.append(f"\nLargest error: {max(errors, default=0.0):.0%}; {within} of {len(errors)} cells within 10 % "
                  "(target: all)")
+    lines.append(f"predicted: the median of {NOISY_SIMULATIONS} simulations with step noise [their range]")
     if ranged:
         lines.append("*: the prediction lies within the real runs' range")
     lines.append("real steps vs model: each real run's steps took this much more (+) or less (-) time than the "

@@ -42,11 +42,19 @@ def _cost_model(args: argparse.Namespace):
     from minivllm.bench.cost_model import load_profile, roofline
 
     if args.profile:
-        return load_profile(args.profile)
-    if args.gpu:
-        return roofline(args.gpu, args.model_config, args.tensor_parallel_size)
-    raise SystemExit("bench simulate needs a cost model: --profile PROFILE.json (from `minivllm bench calibrate`) "
-                     "or --gpu h100|h200|SPEC.json with --model-config llama-3-8b|DIR (modeled)")
+        cost = load_profile(args.profile)
+    elif args.gpu:
+        cost = roofline(args.gpu, args.model_config, args.tensor_parallel_size)
+    else:
+        raise SystemExit("bench simulate needs a cost model: --profile PROFILE.json (from `minivllm bench calibrate`) "
+                         "or --gpu h100|h200|SPEC.json with --model-config llama-3-8b|DIR (modeled)")
+    if cost.modeled and (args.step_noise or args.validate):
+        raise SystemExit("--step-noise and --validate draw on a calibration's measured steps, and --validate compares "
+                         "with real runs on this machine: they need a calibrated --profile")
+    if (args.step_noise or args.validate) and not cost.noise:
+        raise SystemExit(f"{args.profile} has no step noise (measured by calibrate since 2026-12-01), which "
+                         "--step-noise and --validate draw from: rerun `minivllm bench calibrate`")
+    return cost
 
 
 def _requests(args: argparse.Namespace, corpus) -> list:
@@ -97,6 +105,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         return _validate(args, config, model_config, cost, TextCorpus(tokenizer), show)
 
     requests = _requests(args, TokenWindows(tokenizer))
+    noise_seed = args.seed if args.step_noise else None
     out_dir = Path(args.output_dir) if args.output_dir else None
     trace_dir = str(out_dir) if out_dir and args.trace else None
     result = {"modeled": modeled, "cost_model": cost.to_dict(), "num_replicas": args.num_replicas,
@@ -104,7 +113,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     if args.slo_ttft_p99 is not None:
         cont = replace(config, scheduler="continuous")
         search = replicas_for_ttft(
-            lambda n: simulate_cluster(cont, requests, model_config, cost, n, args.routing_policy, None, show),
+            lambda n: simulate_cluster(cont, requests, model_config, cost, n, args.routing_policy, None, show,
+                                       noise_seed),
             args.slo_ttft_p99, args.max_replicas)
         print(slo_text(search, cost.label))
         result["slo_search"] = asdict(search)
@@ -113,7 +123,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     schedulers = ("static", "continuous") if args.systems == "both" else (args.systems,)
     start = time.perf_counter()
     runs = [simulate_cluster(replace(config, scheduler=s), requests, model_config, cost, args.num_replicas,
-                             args.routing_policy, trace_dir, show) for s in schedulers]
+                             args.routing_policy, trace_dir, show, noise_seed) for s in schedulers]
     wall = time.perf_counter() - start
     summaries = [summarize(run) for run in runs]
     workload, setup = _describe_compare(args, config, requests)
@@ -136,8 +146,6 @@ def _validate(args: argparse.Namespace, config: EngineConfig, model_config, cost
     from minivllm.bench.simulate import validate, validation_cases, validation_table
     from minivllm.bench.workloads import mixed_requests, with_arrivals
 
-    if cost.modeled:
-        raise SystemExit("--validate compares with real runs on this machine: it needs a calibrated --profile")
     if args.validate_repeats < 1:
         raise SystemExit(f"--validate-repeats must be at least 1, got {args.validate_repeats}")
     rng = np.random.default_rng(args.seed)
@@ -190,6 +198,10 @@ def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--model-config", default="llama-3-8b",
                    help="modeled: llama-3-8b, llama-3-70b, or a Llama-family config.json / checkpoint directory")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="modeled: GPUs per replica")
+    g.add_argument("--step-noise", action="store_true",
+                   help="calibrated: each step takes the model's time times a jitter drawn (seeded by --seed) "
+                        "from how calibration's steps spread about it; without it every step takes its mean time, "
+                        "and near capacity queues come out shorter than the machine's")
     g = p.add_argument_group("cluster")
     g.add_argument("--num-replicas", type=int, default=1)
     g.add_argument("--routing-policy", choices=tuple(ROUTING_POLICIES), default="least-outstanding-tokens")
