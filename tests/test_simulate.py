@@ -304,3 +304,22 @@ def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tm
     assert "[range]" in table and "cells within 10 %" in table and "real steps vs model" in table
     with pytest.raises(SystemExit, match="at least 1"):
         main(["bench", "simulate", "--profile", str(profile), "--validate", "compare", "--validate-repeats", "0"])
+    with pytest.raises(SystemExit, match="not both"):
+        main(["bench", "simulate", "--profile", str(profile), "--validate", "compare", "--interleave-calibration"])
+    with pytest.raises(SystemExit, match="add --validate"):
+        main(["bench", "simulate", "--interleave-calibration"])
+
+
+def test_validate_can_calibrate_between_its_rounds_of_real_runs(tmp_path):
+    from minivllm.bench.calibrate import GRIDS
+
+    res = _run_json(tmp_path, "validate", "simulate", "--interleave-calibration", "tiny", "--validate", "compare",
+                    "--validate-repeats", "2", "--num-prompts", "3", "--request-rate", "inf", "--dtype", "float32",
+                    "--short-output-len", "2:3", "--long-output-len", "2:3", "--output-dir", str(tmp_path / "v"))
+    profile = json.loads((tmp_path / "v" / "profile.json").read_text())
+    assert res["cost_model"] == {k: profile[k] for k in ("kind", "label", "coefficients", "step_noise")}
+    # Two rounds of the tiny grid: each probe ran twice, and the fit is to both rounds' steps.
+    rows = [dict(zip(profile["steps"]["columns"], r)) for r in profile["steps"]["rows"]]
+    assert {r["probe"] for r in rows} == set(range(len(GRIDS["tiny"])))
+    assert len([r for r in rows if r["probe"] == 0]) == 2 * 4  # one prompt, 4 tokens out: 4 steps a round
+    assert [len(v["steps_vs_model"]) for v in res["validation"]] == [2, 2]

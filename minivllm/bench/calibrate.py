@@ -144,42 +144,60 @@ class Calibration:
                 "rows": [[p, *(getattr(s, n) for n in names), t] for p, s, t in self.steps]}
 
 
+class Calibrator:
+    """Runs the grid's probes, a round (every probe once) at a time, and fits the profile to all the
+    rounds run. `bench simulate --validate` can put its real runs between the rounds, so that the
+    machine's drift over a sitting falls on the calibration and on the runs alike."""
+
+    def __init__(self, config: EngineConfig, grid: str) -> None:
+        self.config, self.probes = config, GRIDS[grid]
+        self.budget = max(config.max_num_batched_tokens, max(p.prompt_len for p in self.probes))
+        self.engines = {static: LLMEngine(replace(config, scheduler="static" if static else "continuous",
+                                                  static_batch_size=max(p.num_seqs for p in self.probes),
+                                                  max_num_batched_tokens=self.budget))
+                        for static in {p.static for p in self.probes}}
+        self.rng = np.random.default_rng(0)
+        for engine in self.engines.values():
+            run_probe(engine, WARM_UPS[grid], self.rng)
+        self.groups = [([], []) for _ in self.probes]  # per probe (its rounds together): shapes, seconds
+
+    def run_round(self, show_progress: bool) -> None:
+        for probe, (shapes, seconds) in tqdm(list(zip(self.probes, self.groups)), desc="calibrating",
+                                             disable=not show_progress):
+            engine = self.engines[probe.static]
+            # The scheduler reads its budget every step: a probe with a budget of its own swaps it in.
+            engine.scheduler.config = replace(engine.config,
+                                              max_num_batched_tokens=probe.max_num_batched_tokens or self.budget)
+            s, t = run_probe(engine, probe, self.rng)
+            shapes.extend(s)
+            seconds.extend(t)
+
+    def finish(self) -> Calibration:
+        """The fit to every round, its errors and its noise; the engines are closed."""
+        groups = self.groups
+        shapes = [s for g in groups for s in g[0]]
+        seconds = [t for g in groups for t in g[1]]
+        engine = next(iter(self.engines.values()))
+        cost = LinearCost(fit_linear(shapes, seconds),
+                          f"calibrated: {self.config.model or 'SmolLM2-135M-Instruct (default GGUF)'} on "
+                          f"{engine.device_name}, {str(engine.dtype).removeprefix('torch.')}")
+        for engine in self.engines.values():
+            engine.close()
+        # The errors are on the steps the fit kept: a step slowed by something else is no shape's cost.
+        clean = []
+        for g in groups:
+            kept = [(s, t) for s, t in zip(*g) if t <= INTERFERED * cost.step_time(s)]
+            clean.append(([s for s, _ in kept], [t for _, t in kept]))
+        kept_shapes, kept_seconds = [s for g in clean for s in g[0]], [t for g in clean for t in g[1]]
+        fitted = [cost.step_time(s) for s in kept_shapes]
+        cost.noise = step_noise(fitted, kept_seconds)
+        return Calibration(cost, FitError.of(fitted, kept_seconds), held_out_error([g for g in clean if g[0]]),
+                           [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)],
+                           len(seconds) - len(kept_seconds))
+
+
 def calibrate(config: EngineConfig, grid: str, repeats: int, show_progress: bool) -> Calibration:
-    probes = GRIDS[grid]
-    budget = max(config.max_num_batched_tokens, max(p.prompt_len for p in probes))
-    engines = {static: LLMEngine(replace(config, scheduler="static" if static else "continuous",
-                                         static_batch_size=max(p.num_seqs for p in probes),
-                                         max_num_batched_tokens=budget))
-               for static in {p.static for p in probes}}
-    rng = np.random.default_rng(0)
-    for engine in engines.values():
-        run_probe(engine, WARM_UPS[grid], rng)
-    groups = [([], []) for _ in probes]  # per probe (its repeats together): shapes, seconds
-    for i in tqdm([i for _ in range(repeats) for i in range(len(probes))], desc="calibrating",
-                  disable=not show_progress):
-        engine = engines[probes[i].static]
-        # The scheduler reads its budget every step: a probe with a budget of its own swaps it in.
-        engine.scheduler.config = replace(engine.config, max_num_batched_tokens=probes[i].max_num_batched_tokens or budget)
-        s, t = run_probe(engine, probes[i], rng)
-        groups[i][0].extend(s)
-        groups[i][1].extend(t)
-    shapes = [s for g in groups for s in g[0]]
-    seconds = [t for g in groups for t in g[1]]
-    engine = next(iter(engines.values()))
-    cost = LinearCost(fit_linear(shapes, seconds), "")
-    label = (f"calibrated: {config.model or 'SmolLM2-135M-Instruct (default GGUF)'} on {engine.device_name}, "
-             f"{str(engine.dtype).removeprefix('torch.')}")
-    for engine in engines.values():
-        engine.close()
-    cost.label = label
-    # The errors are on the steps the fit kept: a step slowed by something else is no shape's cost.
-    clean = []
-    for g in groups:
-        kept = [(s, t) for s, t in zip(*g) if t <= INTERFERED * cost.step_time(s)]
-        clean.append(([s for s, _ in kept], [t for _, t in kept]))
-    kept_shapes, kept_seconds = [s for g in clean for s in g[0]], [t for g in clean for t in g[1]]
-    fitted = [cost.step_time(s) for s in kept_shapes]
-    cost.noise = step_noise(fitted, kept_seconds)
-    return Calibration(cost, FitError.of(fitted, kept_seconds),
-                       held_out_error([g for g in clean if g[0]]),
-                       [(i, s, t) for i, g in enumerate(groups) for s, t in zip(*g)], len(seconds) - len(kept_seconds))
+    calibrator = Calibrator(config, grid)
+    for _ in range(repeats):
+        calibrator.run_round(show_progress)
+    return calibrator.finish()

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import heapq
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from minivllm.bench.compare import SystemRun, SystemSummary, replay_engine
-from minivllm.bench.cost_model import CostModel, StepHistory
+from minivllm.bench.cost_model import CostModel, StepHistory, StepShape
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, ModelParts, num_kv_blocks
@@ -245,36 +245,62 @@ VALIDATED = {"throughput (tok/s)": lambda s: s.serving.total_token_throughput,
 NOISY_SIMULATIONS = 21
 
 
-def validate(cases: list[tuple[str, str, EngineConfig, list[BenchRequest]]], model_config: ModelConfig,
-             cost: CostModel, out_dir: str, show_progress: bool, repeats: int = 1) -> list[Validation]:
-    """Each (workload, setting, config, requests) runs `repeats` times on the real engine, then in the
-    simulator, NOISY_SIMULATIONS times with step noise (seeds 0, 1, ...) and once without.
+Case = tuple[str, str, EngineConfig, list[BenchRequest]]  # workload, setting, engine config, requests
+
+
+@dataclass
+class RealRun:
+    summary: SystemSummary
+    shapes: list[StepShape]  # each step's, noted as it ran
+    step_seconds: float  # the steps' measured time, summed
+
+    def steps_vs_model(self, cost: CostModel) -> float:
+        """The steps' measured time against the cost model's time for those very steps, - 1: how fast
+        the machine ran then, against its calibration. The model fits its calibration's steps to within
+        a few percent of their total, so where this is far from 0 the machine itself ran faster or
+        slower than when it was calibrated."""
+        return self.step_seconds / sum(cost.step_time(shape) for shape in self.shapes) - 1
+
+
+def measure(cases: list[Case], out_dir: str, show_progress: bool, repeats: int = 1,
+            before_round: Callable[[], None] | None = None) -> list[list[RealRun]]:
+    """Each case's `repeats` real runs. The repeats go round the cases (every case once, then again),
+    so that a slow spell of the machine, which lasts tens of seconds here, slows one run of several
+    cases rather than every run of one; `before_round` runs before each round (a round of
+    calibration, when the profile is measured in the same sitting)."""
+    reals: list[list[RealRun]] = [[] for _ in cases]
+    for r in range(repeats):
+        if before_round:
+            before_round()
+        for i, (_, _, config, requests) in enumerate(cases):
+            reals[i].append(_real_run(config, requests, f"{out_dir}/measured-{i}{f'-{r}' if r else ''}.csv",
+                                      show_progress))
+    return reals
+
+
+def predict(cases: list[Case], reals: list[list[RealRun]], model_config: ModelConfig, cost: CostModel,
+            out_dir: str, show_progress: bool) -> list[Validation]:
+    """Each case simulated NOISY_SIMULATIONS times with step noise (seeds 0, 1, ...) and once without,
+    beside its real runs.
 
     Medians meet medians. One real run on a shared 2-core machine moves by 10-20 %, so the measured
     figure is the median of several. Its steps jitter too, and near capacity a queue feels the spread,
     not only the mean: a model that gives each step its mean time predicts shorter queues than the
     machine has. So the prediction is the median of simulations whose steps spread as calibration
-    measured them. The repeats go round the cases (every case once, then again), so that a slow spell
-    of the machine, which lasts tens of seconds here, slows one run of several cases rather than every
-    run of one."""
+    measured them."""
     from minivllm.bench.compare import summarize
 
-    reals: list[list] = [[] for _ in cases]
-    for r in range(repeats):
-        for i, (_, _, config, requests) in enumerate(cases):
-            reals[i].append(_real_run(config, requests, f"{out_dir}/measured-{i}{f'-{r}' if r else ''}.csv", cost,
-                                      show_progress))
     results = []
-    for i, (workload, setting, config, requests) in enumerate(cases):
+    for i, ((workload, setting, config, requests), runs) in enumerate(zip(cases, reals)):
         plain = summarize(simulate_engine(config, requests, model_config, cost, f"{out_dir}/predicted-{i}.csv",
                                           show_progress))
         sims = [summarize(simulate_engine(config, requests, model_config, cost, None, False, seed))
                 for seed in range(NOISY_SIMULATIONS)]
-        runs = {k: [f(summary) for summary, _ in reals[i]] for k, f in VALIDATED.items()}
+        measured = {k: [f(run.summary) for run in runs] for k, f in VALIDATED.items()}
         predictions = {k: [f(summary) for summary in sims] for k, f in VALIDATED.items()}
-        results.append(Validation(workload, setting, _medians(runs), _medians(predictions), _ranges(runs),
+        results.append(Validation(workload, setting, _medians(measured), _medians(predictions), _ranges(measured),
                                   _ranges(predictions), {k: f(plain) for k, f in VALIDATED.items()},
-                                  [ratio for _, ratio in reals[i]]))
+                                  [run.steps_vs_model(cost) for run in runs]))
     return results
 
 
@@ -286,12 +312,7 @@ def _ranges(values: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
     return {k: (min(v), max(v)) for k, v in values.items()}
 
 
-def _real_run(config: EngineConfig, requests: list[BenchRequest], trace_path: str, cost: CostModel,
-              show_progress: bool) -> tuple[SystemSummary, float]:
-    """A real run's summary, and its steps' measured time against the cost model's time for those very
-    steps (their shapes noted as they ran): how fast the machine ran then, against its calibration.
-    The model fits its calibration's steps to within a few percent of their total, so where this is
-    far from 0 the machine itself ran faster or slower than when it was calibrated."""
+def _real_run(config: EngineConfig, requests: list[BenchRequest], trace_path: str, show_progress: bool) -> RealRun:
     from minivllm.bench.calibrate import ShapeRecorder
     from minivllm.bench.compare import run_engine, summarize
 
@@ -302,8 +323,7 @@ def _real_run(config: EngineConfig, requests: list[BenchRequest], trace_path: st
         return recorders[-1]
 
     run = run_engine(config, requests, trace_path, show_progress, wrap_runner=record)
-    modeled = sum(cost.step_time(shape) for shape in recorders[0].shapes)
-    return summarize(run), sum(row.t_end - row.t_start for row in run.rows) / modeled - 1
+    return RealRun(summarize(run), recorders[0].shapes, sum(row.t_end - row.t_start for row in run.rows))
 
 
 def validation_table(results: list[Validation]) -> str:
@@ -338,7 +358,7 @@ def validation_table(results: list[Validation]) -> str:
 
 
 def validation_cases(base: EngineConfig, compare_requests: list[BenchRequest], corpus, seed: int,
-                     which: list[str]) -> list[tuple[str, str, EngineConfig, list[BenchRequest]]]:
+                     which: list[str]) -> list[Case]:
     """bench compare's workload (static and continuous), the fixed workload (all at once), and
     bench scheduling's two scenarios with their settings."""
     from minivllm.bench.scheduling import (chunked_prefill_settings, chunked_prefill_workload, fair_settings,

@@ -87,8 +87,13 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     from minivllm.bench.compare import summarize
     from minivllm.bench.report import compare_table, verdict, write_plots
     from minivllm.bench.simulate import replicas_for_ttft, simulate_cluster, slo_text
-    from minivllm.bench.workloads import TextCorpus, TokenWindows, load_tokenizer, requests_as_dicts
+    from minivllm.bench.workloads import TokenWindows, load_tokenizer, requests_as_dicts
 
+    if args.validate:
+        return _validate(args)
+    if args.interleave_calibration:
+        raise SystemExit("--interleave-calibration measures the profile between --validate's real runs: "
+                         "add --validate, or calibrate first with `minivllm bench calibrate`")
     cost = _cost_model(args)
     modeled = cost.modeled
     print(f"Cost model: {cost.label}", file=sys.stderr)
@@ -101,9 +106,6 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     tokenizer, model_config = load_tokenizer(config.model)
     model_config = cost.model if modeled else model_config
     show = not args.disable_tqdm
-    if args.validate:
-        return _validate(args, config, model_config, cost, TextCorpus(tokenizer), show)
-
     requests = _requests(args, TokenWindows(tokenizer))
     noise_seed = args.seed if args.step_noise else None
     out_dir = Path(args.output_dir) if args.output_dir else None
@@ -142,19 +144,35 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     write_json(args.output_json, result)
 
 
-def _validate(args: argparse.Namespace, config: EngineConfig, model_config, cost, corpus, show: bool) -> None:
-    from minivllm.bench.simulate import validate, validation_cases, validation_table
-    from minivllm.bench.workloads import mixed_requests, with_arrivals
+def _validate(args: argparse.Namespace) -> None:
+    from minivllm.bench.calibrate import Calibrator
+    from minivllm.bench.simulate import measure, predict, validation_cases, validation_table
+    from minivllm.bench.workloads import TextCorpus, load_tokenizer, mixed_requests, with_arrivals
 
+    if args.gpu or bool(args.profile) == bool(args.interleave_calibration):
+        raise SystemExit("--validate compares with real runs on this machine: it takes a calibrated --profile, or "
+                         "--interleave-calibration to calibrate in the same sitting (not both)")
     if args.validate_repeats < 1:
         raise SystemExit(f"--validate-repeats must be at least 1, got {args.validate_repeats}")
+    cost = _cost_model(args) if args.profile else None
+    config = EngineConfig.from_cli_args(args, seed=args.seed, kv_cache_memory=args.kv_cache_memory or "1GiB",
+                                        tensor_parallel_size=1)
+    tokenizer, model_config = load_tokenizer(config.model)
+    corpus, show = TextCorpus(tokenizer), not args.disable_tqdm
     rng = np.random.default_rng(args.seed)
     compare_requests = with_arrivals(mixed_requests(corpus, args.num_prompts, args.long_fraction,
                                                     args.short_input_len, args.short_output_len, args.long_input_len,
                                                     args.long_output_len, rng), args.request_rate, args.burstiness, rng)
     cases = validation_cases(config, compare_requests, corpus, args.seed, args.validate)
-    results = validate(cases, model_config, cost, args.output_dir or "runs/simulate-validate", show,
-                       args.validate_repeats)
+    out_dir = args.output_dir or "runs/simulate-validate"
+    calibrator = Calibrator(config, args.interleave_calibration) if args.interleave_calibration else None
+    reals = measure(cases, out_dir, show, args.validate_repeats, calibrator and (lambda: calibrator.run_round(show)))
+    if calibrator:
+        calibration = calibrator.finish()
+        _report_calibration(calibration, f"{out_dir}/profile.json")
+        cost = calibration.cost
+    print(f"Cost model: {cost.label}", file=sys.stderr)
+    results = predict(cases, reals, model_config, cost, out_dir, show)
     print(validation_table(results))
     write_json(args.output_json, {"cost_model": cost.to_dict(), "engine": asdict(config),
                                   "validation": [asdict(v) | {"errors": v.errors} for v in results]})
@@ -162,19 +180,24 @@ def _validate(args: argparse.Namespace, config: EngineConfig, model_config, cost
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from minivllm.bench.calibrate import calibrate
-    from minivllm.bench.cost_model import INTERFERED
 
     config = EngineConfig.from_cli_args(args)
-    cal = calibrate(config, args.grid, args.repeats, not args.disable_tqdm)
+    _report_calibration(calibrate(config, args.grid, args.repeats, not args.disable_tqdm), args.output_json)
+
+
+def _report_calibration(cal, output_json: str | None) -> None:
+    """Prints the fit and its errors; writes the profile."""
+    from minivllm.bench.cost_model import INTERFERED
+
     cost, fit, held = cal.cost, cal.fit_error, cal.held_out_error
     print(f"{cost.label}: {len(cal.steps)} steps, {cal.num_interfered} left out (over {INTERFERED:g} times their "
           f"fitted time: slowed by something else on the machine)")
     print("seconds per step = " + " + ".join(f"{c:.3g} x {t}" for t, c in cost.coefficients.items()))
     print(f"error per step (median) / of the total time: fitted steps {fit.median:.1%} / {fit.total:+.1%}, "
           f"held-out probes {held.median:.1%} / {held.total:+.1%}")
-    write_json(args.output_json, cost.to_dict() | {"fit_error": asdict(fit), "held_out_error": asdict(held),
-                                                   "num_steps": len(cal.steps), "num_interfered": cal.num_interfered,
-                                                   "steps": cal.steps_dict()})
+    write_json(output_json, cost.to_dict() | {"fit_error": asdict(fit), "held_out_error": asdict(held),
+                                              "num_steps": len(cal.steps), "num_interfered": cal.num_interfered,
+                                              "steps": cal.steps_dict()})
 
 
 def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
@@ -213,6 +236,11 @@ def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
                    help="run these workloads on the real engine too and print predicted vs measured")
     p.add_argument("--validate-repeats", type=int, default=1, metavar="N",
                    help="real runs per validated setting; the measured figure is their median (and range)")
+    p.add_argument("--interleave-calibration", nargs="?", const="default", choices=("default", "tiny"), default=None,
+                   metavar="GRID", help="with --validate, in place of --profile: calibrate in the same sitting, a "
+                                        "round of calibrate's probes (GRID: default or tiny) before each round of "
+                                        "real runs, so that the machine's drift falls on both alike; the profile "
+                                        "goes to OUTPUT_DIR/profile.json")
     p.add_argument("--output-dir", default=None, help="plots and results.json (and step traces with --trace)")
     p.add_argument("--trace", action="store_true", help="write each engine's step trace to --output-dir")
     _output_args(p)
