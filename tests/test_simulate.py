@@ -153,6 +153,16 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     assert all(r["steps_after_prefill"] == 0 for r in rows if r["prefill_tokens"])
 
 
+def _step_times(engine, clock: VirtualClock) -> list[float]:
+    """Steps the simulated engine until it is done; each step's time on its virtual clock."""
+    times = []
+    while engine.has_unfinished_requests():
+        start = clock.now
+        engine.step()
+        times.append(round(clock.now - start, 9))
+    return times
+
+
 def test_a_step_costs_what_it_follows_an_idle_spell_and_a_prefill():
     from minivllm.bench.simulate import simulated_engine
     from minivllm.bench.workloads import load_tokenizer
@@ -162,21 +172,13 @@ def test_a_step_costs_what_it_follows_an_idle_spell_and_a_prefill():
     cost = LinearCost(dict.fromkeys(TERMS, 0.0) | {"step": 0.01, "wake": 0.03, "after_prefill": 0.008}, "hand-written")
     engine, clock = simulated_engine(EngineConfig(num_kv_blocks=16), model_config, cost)
 
-    def steps() -> list[float]:
-        times = []
-        while engine.has_unfinished_requests():
-            start = clock.now
-            engine.step()
-            times.append(round(clock.now - start, 9))
-        return times
-
     # Its arrival met an engine just started: no idle spell. The decodes after its prefill cost the
     # after-prefill term, fading by an eighth a step.
     engine.add_request("first", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert steps() == [0.01, 0.018, 0.017]
+    assert _step_times(engine, clock) == [0.01, 0.018, 0.017]
     clock.sleep(0.5)
     engine.add_request("after-idle", [1, 2, 3], SamplingParams(max_tokens=11, ignore_eos=True))
-    assert steps() == [0.04] + [round(0.01 + 0.008 * (1 - k / 8), 9) for k in range(8)] + [0.01, 0.01]
+    assert _step_times(engine, clock) == [0.04] + [round(0.01 + 0.008 * (1 - k / 8), 9) for k in range(8)] + [0.01, 0.01]
 
 
 def test_step_noise_draws_each_steps_jitter_from_the_calibrated_spread(tmp_path):
@@ -191,12 +193,7 @@ def test_step_noise_draws_each_steps_jitter_from_the_calibrated_spread(tmp_path)
         engine, clock = simulated_engine(EngineConfig(num_kv_blocks=16), model_config, cost,
                                          noise=StepNoise(cost.noise, seed))
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
-        times = []
-        while engine.has_unfinished_requests():
-            start = clock.now
-            engine.step()
-            times.append(round(clock.now - start, 9))
-        return times
+        return _step_times(engine, clock)
 
     first = step_times("0-0")
     assert set(first) == {0.005, 0.015}  # the model's 10 ms times a drawn quantile, both drawn in 40 steps
