@@ -248,7 +248,7 @@ def test_final_only_outputs_come_once_when_finished():
 
 
 def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
-    from minivllm.bench.cost_model import features, fit_linear, held_out_error
+    from minivllm.bench.cost_model import INTERFERED, FitError, features, fit_linear, held_out_error
     from minivllm.engine.scheduler import SchedulerOutput
     from minivllm.engine.sequence import Sequence
     from minivllm.outputs import RequestMetrics
@@ -278,6 +278,16 @@ def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
     assert all(abs(fitted[t] - truth[t]) <= 1e-6 * max(truth[t], 1e-3) for t in TERMS)
     held = held_out_error(groups)
     assert held.median < 1e-6 and abs(held.total) < 1e-6
+
+    # With jitter (and a step slowed by something else, which the fit leaves out), the fitted total is
+    # the kept steps' measured total: a weight from the measured time alone would come out short.
+    shapes = [s for g in groups for s in g[0]]
+    seconds = [t * j for t, j in zip((t for g in groups for t in g[1]), rng.lognormal(0.0, 0.2, len(shapes)))]
+    seconds[0] *= 5
+    jittered = LinearCost(fit_linear(shapes, seconds), "")
+    kept = [(jittered.step_time(s), t) for s, t in zip(shapes, seconds) if t <= INTERFERED * jittered.step_time(s)]
+    assert len(kept) == len(shapes) - 1
+    assert abs(FitError.of(*zip(*kept)).total) < 1e-9
 
 
 def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tmp_path, capsys):
