@@ -302,6 +302,7 @@ def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tm
             assert low <= v["measured"][key] <= high  # the median of the three runs
         # Each real run's steps, timed against the hand-written model's time for the same steps.
         assert len(v["steps_vs_model"]) == 3 and all(-1 < r < 1000 for r in v["steps_vs_model"])
+        assert all(v["measured"][k] == np.median(runs) and len(runs) == 3 for k, runs in v["measured_runs"].items())
         # The prediction is the median of the noisy simulations; without noise each step takes the model's time.
         for key, (low, high) in v["predicted_range"].items():
             assert low <= v["predicted"][key] <= high
@@ -309,12 +310,28 @@ def test_validate_sets_the_median_of_repeated_real_runs_beside_the_prediction(tm
     assert len(list((tmp_path / "v").glob("measured-0*.csv"))) == 3  # three real runs of the first setting
     table = capsys.readouterr().out
     assert "[range]" in table and "cells within 10 %" in table and "real steps vs model" in table
+    assert "a perfect prediction" in table and 0 <= res["perfect_prediction"]["all_within"] <= 1
     with pytest.raises(SystemExit, match="at least 1"):
         main(["bench", "simulate", "--profile", str(profile), "--validate", "compare", "--validate-repeats", "0"])
     with pytest.raises(SystemExit, match="not both"):
         main(["bench", "simulate", "--profile", str(profile), "--validate", "compare", "--interleave-calibration"])
     with pytest.raises(SystemExit, match="add --validate"):
         main(["bench", "simulate", "--interleave-calibration"])
+
+
+def test_a_perfect_prediction_meets_every_cell_only_where_the_real_runs_repeat():
+    from minivllm.bench.simulate import VALIDATED, Validation, perfect_prediction
+
+    def setting(runs: list[float]) -> Validation:
+        figures = {k: runs for k in VALIDATED}
+        return Validation("w", "s", {}, figures, {}, {}, {}, {}, [])
+
+    steady, spread = setting([100.0, 101.0, 99.0, 100.0, 102.0]), setting([50.0, 100.0, 150.0, 80.0, 120.0])
+    assert perfect_prediction([steady, steady]) == (2 * len(VALIDATED), 1.0)
+    cells, every = perfect_prediction([steady, spread])
+    assert len(VALIDATED) < cells < 2 * len(VALIDATED) and 0 < every < 1
+    # A draw of the spread runs has its median within 10 % of 100 only when it is 100 itself.
+    assert perfect_prediction([spread], resamples=4000)[1] == pytest.approx(0.4, abs=0.05)
 
 
 def test_validate_can_calibrate_between_its_rounds_of_real_runs(tmp_path):

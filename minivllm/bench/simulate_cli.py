@@ -146,7 +146,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
 def _validate(args: argparse.Namespace) -> None:
     from minivllm.bench.calibrate import Calibrator
-    from minivllm.bench.simulate import measure, predict, validation_cases, validation_table
+    from minivllm.bench.simulate import measure, perfect_prediction, predict, validation_cases, validation_table
     from minivllm.bench.workloads import TextCorpus, load_tokenizer, mixed_requests, with_arrivals
 
     if args.gpu or bool(args.profile) == bool(args.interleave_calibration):
@@ -174,8 +174,10 @@ def _validate(args: argparse.Namespace) -> None:
     print(f"Cost model: {cost.label}", file=sys.stderr)
     results = predict(cases, reals, model_config, cost, out_dir, show)
     print(validation_table(results))
+    cells, every = perfect_prediction(results)
     write_json(args.output_json, {"cost_model": cost.to_dict(), "engine": asdict(config),
-                                  "validation": [asdict(v) | {"errors": v.errors} for v in results]})
+                                  "validation": [asdict(v) | {"errors": v.errors} for v in results],
+                                  "perfect_prediction": {"cells_within": cells, "all_within": every}})
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
