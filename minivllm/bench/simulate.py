@@ -304,8 +304,7 @@ def predict(cases: list[Case], reals: list[list[RealRun]], model_config: ModelCo
         measured = {k: [f(run.summary) for run in runs] for k, f in VALIDATED.items()}
         predictions = {k: [f(summary) for summary in sims] for k, f in VALIDATED.items()}
         results.append(Validation(workload, setting, _medians(measured), measured, _medians(predictions),
-                                  _ranges(measured),
-                                  _ranges(predictions), {k: f(plain) for k, f in VALIDATED.items()},
+                                  _ranges(measured), _ranges(predictions), {k: f(plain) for k, f in VALIDATED.items()},
                                   [run.steps_vs_model(cost) for run in runs]))
     return results
 
