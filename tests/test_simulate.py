@@ -324,7 +324,7 @@ def test_a_perfect_prediction_meets_every_cell_only_where_the_real_runs_repeat()
 
     def setting(runs: list[float]) -> Validation:
         figures = {k: runs for k in VALIDATED}
-        return Validation("w", "s", {}, figures, {}, {}, {}, {}, [])
+        return Validation("w", "s", figures, {}, {}, {}, [])
 
     steady, spread = setting([100.0, 101.0, 99.0, 100.0, 102.0]), setting([50.0, 100.0, 150.0, 80.0, 120.0])
     assert perfect_prediction([steady, steady]) == (2 * len(VALIDATED), 1.0)

@@ -14,7 +14,7 @@ import gc
 import heapq
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -214,17 +214,23 @@ def slo_text(search: SloSearch, label: str) -> str:
 # -- validation: predicted against measured on this machine -------------------------------------------
 @dataclass
 class Validation:
-    """One workload and setting: each metric's median over the real runs and over the simulations with
-    step noise (and their ranges), and the simulation without noise."""
+    """One workload and setting: each real run's figures (their median and range are the measured
+    side), the median and range of the simulations with step noise, and the simulation without noise."""
     workload: str
     setting: str
-    measured: dict[str, float]
     measured_runs: dict[str, list[float]]  # each real run's figure, in the runs' order
     predicted: dict[str, float]
-    measured_range: dict[str, tuple[float, float]]
     predicted_range: dict[str, tuple[float, float]]
     predicted_without_noise: dict[str, float]  # each step at the model's time
     steps_vs_model: list[float]  # per real run: its steps' measured time / the model's time for them, - 1
+
+    @property
+    def measured(self) -> dict[str, float]:
+        return _medians(self.measured_runs)
+
+    @property
+    def measured_range(self) -> dict[str, tuple[float, float]]:
+        return _ranges(self.measured_runs)
 
     @property
     def errors(self) -> dict[str, float]:
@@ -233,6 +239,10 @@ class Validation:
     def in_range(self, key: str) -> bool:
         low, high = self.measured_range[key]
         return low <= self.predicted[key] <= high
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"measured": self.measured, "measured_range": self.measured_range,
+                               "errors": self.errors}
 
 
 TOLERANCE = 0.10  # the validation's target: every cell within 10 % of the real runs' median
@@ -303,8 +313,8 @@ def predict(cases: list[Case], reals: list[list[RealRun]], model_config: ModelCo
                 for seed in range(NOISY_SIMULATIONS)]
         measured = {k: [f(run.summary) for run in runs] for k, f in VALIDATED.items()}
         predictions = {k: [f(summary) for summary in sims] for k, f in VALIDATED.items()}
-        results.append(Validation(workload, setting, _medians(measured), measured, _medians(predictions),
-                                  _ranges(measured), _ranges(predictions), {k: f(plain) for k, f in VALIDATED.items()},
+        results.append(Validation(workload, setting, measured, _medians(predictions), _ranges(predictions),
+                                  {k: f(plain) for k, f in VALIDATED.items()},
                                   [run.steps_vs_model(cost) for run in runs]))
     return results
 

@@ -176,7 +176,7 @@ def _validate(args: argparse.Namespace) -> None:
     print(validation_table(results))
     cells, every = perfect_prediction(results)
     write_json(args.output_json, {"cost_model": cost.to_dict(), "engine": asdict(config),
-                                  "validation": [asdict(v) | {"errors": v.errors} for v in results],
+                                  "validation": [v.to_dict() for v in results],
                                   "perfect_prediction": {"cells_within": cells, "all_within": every}})
 
 
