@@ -357,10 +357,11 @@ def _real_run(config: EngineConfig, requests: list[BenchRequest], trace_path: st
     return RealRun(summarize(run), recorders[0].shapes, sum(row.t_end - row.t_start for row in run.rows))
 
 
-def validation_table(results: list[Validation]) -> str:
+def validation_table(results: list[Validation], perfect: tuple[float, float]) -> str:
     """Markdown: measured / predicted (error) per cell, with the simulations' range; with several real
-    runs, their range, and a * where the prediction lies inside it; then how the real runs' steps
-    compared with the model's time for them."""
+    runs, their range, and a * where the prediction lies inside it, and what a perfect prediction
+    would score (`perfect`, from perfect_prediction); then how the real runs' steps compared with the
+    model's time for them."""
     ranged = any(lo != hi for v in results for lo, hi in v.measured_range.values())
     head = " | ".join(f"{k} measured{' [range]' if ranged else ''} / predicted [range] (error)" for k in VALIDATED)
     lines = [f"| workload | setting | {head} | real steps vs model |", "|---|---|" + "---:|" * (len(VALIDATED) + 1)]
@@ -381,7 +382,7 @@ def validation_table(results: list[Validation]) -> str:
     lines.append(f"\nLargest error: {max(errors, default=0.0):.0%}; {within} of {len(errors)} cells within 10 % "
                  "(target: all)")
     if ranged:
-        cells, every = perfect_prediction(results)
+        cells, every = perfect
         lines.append(f"a perfect prediction, against runs as spread as these: {cells:.1f} cells within 10 % on "
                      f"average, all of them in {every:.0%} of draws (the real runs drawn again)")
     lines.append(f"predicted: the median of {NOISY_SIMULATIONS} simulations with step noise [their range]")

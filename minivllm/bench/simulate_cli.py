@@ -173,8 +173,8 @@ def _validate(args: argparse.Namespace) -> None:
         cost = calibration.cost
     print(f"Cost model: {cost.label}", file=sys.stderr)
     results = predict(cases, reals, model_config, cost, out_dir, show)
-    print(validation_table(results))
     cells, every = perfect_prediction(results)
+    print(validation_table(results, (cells, every)))
     write_json(args.output_json, {"cost_model": cost.to_dict(), "engine": asdict(config),
                                   "validation": [v.to_dict() for v in results],
                                   "perfect_prediction": {"cells_within": cells, "all_within": every}})
