@@ -132,20 +132,22 @@ def tiny_head_dim(arch: str) -> int:
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: int = 0,
-                    rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                    rope_freqs: np.ndarray | None = None, formats: dict[str, str] | None = None,
+                    ffn: int = TINY_HIDDEN, tied: bool = False) -> dict[str, np.ndarray]:
     """Write a one-layer model of architecture `arch` with every matrix stored as `qtype` (vectors
     stay F32), laid out as llama.cpp's converter does: Llama's Q/K rows permuted for its RoPE, and
-    Llama 3's RoPE scaling, if any, as the `rope_freqs` tensor of per-frequency divisors.
+    Llama 3's RoPE scaling, if any, as the `rope_freqs` tensor of per-frequency divisors. `formats`
+    gives single matrices (GGUF names: "blk.0.attn_v") another format, as llama.cpp's mixes do; `ffn`
+    is the MLP's width; `tied` leaves out the LM head (the embedding serves).
     Returns the weights the file encodes, under Hugging Face names and in HF layout."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    kind = gguf.GGMLQuantizationType[qtype]
     h, head_dim = TINY_HIDDEN, tiny_head_dim(arch)
     q, kv = TINY_HEADS * head_dim, TINY_KV_HEADS * head_dim
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (("block_count", 1), ("context_length", 256), ("embedding_length", h),
-                       ("feed_forward_length", h), ("attention.head_count", TINY_HEADS),
+                       ("feed_forward_length", ffn), ("attention.head_count", TINY_HEADS),
                        ("attention.head_count_kv", TINY_KV_HEADS), ("attention.key_length", head_dim),
                        ("attention.value_length", head_dim), ("rope.dimension_count", head_dim),
                        ("vocab_size", TINY_VOCAB)):
@@ -158,11 +160,14 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: i
         "token_embd": ("model.embed_tokens", TINY_VOCAB, h), "output": ("lm_head", TINY_VOCAB, h),
         "blk.0.attn_q": (f"{layer}.self_attn.q_proj", q, h), "blk.0.attn_k": (f"{layer}.self_attn.k_proj", kv, h),
         "blk.0.attn_v": (f"{layer}.self_attn.v_proj", kv, h), "blk.0.attn_output": (f"{layer}.self_attn.o_proj", h, q),
-        "blk.0.ffn_gate": (f"{layer}.mlp.gate_proj", h, h), "blk.0.ffn_up": (f"{layer}.mlp.up_proj", h, h),
-        "blk.0.ffn_down": (f"{layer}.mlp.down_proj", h, h),
+        "blk.0.ffn_gate": (f"{layer}.mlp.gate_proj", ffn, h), "blk.0.ffn_up": (f"{layer}.mlp.up_proj", ffn, h),
+        "blk.0.ffn_down": (f"{layer}.mlp.down_proj", h, ffn),
     }
+    if tied:
+        del matrices["output"]
     encoded: dict[str, np.ndarray] = {}
     for name, (hf_name, rows, cols) in matrices.items():
+        kind = gguf.GGMLQuantizationType[(formats or {}).get(name, qtype)]
         data = encode_matrix(rng, rows, cols, kind)
         encoded[f"{hf_name}.weight"] = gguf.quants.dequantize(data, kind)
         if arch == "llama" and name in ("blk.0.attn_q", "blk.0.attn_k"):
@@ -189,25 +194,35 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: i
     return encoded
 
 
+# Where each block format keeps its float16 scales (byte offsets in a block): what random bytes need
+# set to small finite values to be a valid block.
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
 def encode_matrix(rng: np.random.Generator, rows: int, cols: int, kind: Any) -> np.ndarray:
     """Random weights in `kind`'s storage: quantized by the gguf package where it can, else (the
-    K-quants, which it only reads) random valid blocks with finite, small scales."""
+    K-quants and IQ4 formats, which it only reads) random valid blocks (`random_blocks`)."""
     import gguf
 
     weights = (0.05 * rng.standard_normal((rows, cols))).astype(np.float32)
     try:
         return gguf.quants.quantize(weights, kind)
     except NotImplementedError:
-        block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
-        blocks = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
-        scale = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
-        if kind.name in ("Q4_K", "Q5_K"):  # d and dmin lead the block
-            blocks[..., 0:2] = blocks[..., 2:4] = scale
-        elif kind.name == "Q6_K":  # d ends the block
-            blocks[..., -2:] = scale
-        else:
-            raise
-        return blocks.reshape(rows, -1)
+        return random_blocks(rng, rows, cols, kind)
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: Any) -> np.ndarray:
+    """Random bytes in `kind`'s blocks, [rows, bytes per row]: any bytes form a valid block once its
+    float16 scales are finite; they are set small (1e-4 .. 2e-3, either sign)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in SCALE_OFFSETS[kind.name]:
+        scales = (rng.uniform(1e-4, 2e-3, (rows, cols // block)) * rng.choice([-1, 1], (rows, cols // block)))
+        blocks[..., at:at + 2] = scales.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+    return blocks.reshape(rows, -1)
 
 
 def _permute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -44,7 +44,8 @@ def test_default_gguf_weights_equal_transformers(default_model_path: Path, hf_mo
 # Small enough an original context that the test positions fall in all three of its bands.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
-QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.mark.parametrize("arch, qtype", [("llama", q) for q in QUANT_TYPES] + [("qwen2", "Q8_0"), ("qwen3", "Q4_K")])

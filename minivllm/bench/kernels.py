@@ -75,17 +75,14 @@ def quantized_linears(config: ModelConfig, rows: list[int]) -> list[KernelTiming
     kernel, bf16 = quant_gemm(CPU, BF16), gemm(CPU, BF16, shapes[0][1])
     if kernel is None or bf16 is None:
         return []
-    weights = [quant.QuantizedTensor(torch.randint(0, 16, (n, k), dtype=torch.uint8),
-                                     (torch.rand(n, k // 32) * 0.01).half(), (torch.rand(n, k // 32) * -0.01).half(), 4)
-               for n, k in shapes]
-    packed = [kernel.pack(w) for w in weights]
-    dense = [bf16.pack(w.dequantize(BF16), None)[0] for w in weights]
-    nbytes = sum(p.numel() for p in packed)
+    weights = [quant.QuantizedWeight.of(quant.quantize(torch.randn(n, k) * 0.02, "int4")) for n, k in shapes]
+    dense = [bf16.pack(w.dequantize().to(BF16), None)[0] for w in weights]
+    nbytes = sum(w.nbytes for w in weights)
     out = []
     for n in rows:
         xs = {k: torch.randn(n, k, dtype=BF16) for _, k in shapes}
         plain = best_time(lambda: [bf16.forward(xs[k], p, None, m) for (m, k), p in zip(shapes, dense)], CPU)
-        fast = best_time(lambda: [kernel.forward(xs[k], p, 4, 1, None, m) for (m, k), p in zip(shapes, packed)], CPU)
+        fast = best_time(lambda: [kernel.forward(xs[w.k], w, None) for w in weights], CPU)
         out.append(KernelTiming(f"{len(shapes)} layer GEMMs x {n} rows, 4-bit", plain * 1e3, fast * 1e3,
                                 f"torch column: the bf16 GEMM on dequantized weights; 4-bit weights read at "
                                 f"{nbytes / fast / 1e9:.1f} GB/s"))

@@ -59,7 +59,11 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
     hit = weight_cache.load(cached) if cached is not None else None
     if hit is not None:
         model_config, state = hit
-        return model_config, LlamaForCausalLM.from_state(model_config, state, device)
+        try:
+            return model_config, LlamaForCausalLM.from_state(model_config, state, device)
+        except (ValueError, KeyError, AttributeError, RuntimeError) as e:  # an entry this code cannot use
+            print(f"minivllm: the cached weights in {cached} do not fit this model ({e}); rebuilding",
+                  file=sys.stderr, flush=True)
     if cached is not None:
         print(f"minivllm: packing the weights once into {cached.parent} ...", file=sys.stderr, flush=True)
     # Decoded straight into the model's dtype, or kept quantized.

@@ -45,6 +45,7 @@ class GGUFTensorInfo:
 
 class GGUFFile:
     def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
         with open(path, "rb") as f:
             # Private (copy-on-write) mapping: the tensors over it are writable views; nothing is written back.
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)

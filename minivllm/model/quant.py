@@ -1,155 +1,257 @@
-"""Quantized weights: kept as integers with a scale and offset per group of k, never dequantized on the CPU.
+"""Quantized weights: a GGUF file's blocks, held at the file's size and never dequantized on the CPU.
 
-Every format ends up as one `QuantizedTensor`, W[n, k] = d * u + m with unsigned integers u and a
-float16 (d, m) per group of 32 k (16 for Q6_K's sub-blocks): a GGUF file's blocks split by the
-traits table of gguf_quants.py, or a float checkpoint quantized at load (`--quantization int8|int4`).
-The native kernel (csrc/quant_gemm.c) takes it packed into column panels; `linear_twin` here is its
-torch twin, the same arithmetic in torch (the CUDA path, machines without a compiler,
-MINIVLLM_NO_KERNELS=1, and the reference its tests check it against).
+A `QuantizedTensor` is a matrix as the file stores it: each row's blocks in one of the block formats
+of gguf_quants.py (or a float checkpoint quantized at load: `--quantization int8` makes Q8_0 blocks,
+`int4` Q4_1). For the kernels it is packed once, per format, into column panels (`pack`), a
+rearrangement that keeps each format's bits: the weights held stay within 1.05x of the file's bytes,
+which is what a decode step streams. The native kernel (csrc/quant_gemm.c) reads that layout; its torch
+twin here (`linear_twin`) unpacks it in chunks and does the same arithmetic in torch (the CUDA path,
+machines without a compiler, MINIVLLM_NO_KERNELS=1, and the reference its tests check it against).
 
-The activations are quantized too, per row and per 32 k (dx = amax / 127, x8 = round(x / dx)), so that
-each group is an exact integer dot product; a row's result depends on that row alone (issue 12).
+The packed layout, per panel of 16 output columns (rows of the weight), per super-block of the format
+(256 k for the K-quants and IQ4_XS, 32 for the others):
+  per 32-k block, the integers u in bit planes, arranged for vpdpbusd (8 groups of 4 k; in a group
+  column c's 4 k at bytes c * 4 .. c * 4 + 3):
+    8 bits   512 bytes: byte g * 64 + c * 4 + j is group g's
+    4 bits   256 bytes: byte t * 64 + c * 4 + j holds group t (low nibble) and t + 4 (high nibble)
+    2 bits   128 bytes: byte t * 64 + c * 4 + j holds groups t, t + 2, t + 4, t + 6 (bits 0, 2, 4, 6)
+  then the bits above those (5-bit formats and Q3_K: 64 bytes, bit g of byte c * 4 + j is group g's;
+  Q6_K: 128 bytes of 2-bit fields as above);
+  then the scales: 16 float16 d, 16 float16 dmin (formats with a min), and per sub-block 16 bytes of
+  integer scales (K-quants, IQ4_XS), then 16 of integer mins (Q4_K, Q5_K; Q2_K keeps scale | min << 4).
+Each format's rule (gguf_quants.py) makes a weight of these: w = d * v + m per group of 16 or 32 k,
+with d = d * sc and m = -(dmin * mn), m = dmin, or m = -offset * d (exact: every offset is a power of 2).
+
+The activations are quantized per row and per 32 k (dx = amax / 127, x8 = round(x / dx)), so that each
+group is an exact integer dot product; a row's result depends on that row alone (issue 12).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from minivllm.model.gguf_quants import Ints
+from minivllm.model.gguf_quants import BLOCK_FORMATS, BlockFormat, Ints, decode_pool, values
 
-GROUP = 32  # k per activation block and per weight group (sub-groups of 16 for Q6_K)
+GROUP = 32  # k per activation block (and per 32-k block of every layout)
 PANEL = 16  # csrc/quant_gemm.c: output columns per packed panel
-INT4_GROUPS = (128, 64, 32)  # `--quantization int4`: one scale and offset per 128 k as AWQ/GPTQ use, or
-# the largest of these that divides in_features (the default model's 576 takes 64)
+PACK_ROWS = 1024  # rows packed per task (a multiple of PANEL)
+Q8_0, Q4_1 = 8, 3  # `--quantization int8` and `int4`: the ggml formats a float weight is quantized into
+_PLANE_BITS = {2: (2, 0), 3: (2, 1), 4: (4, 0), 5: (4, 1), 6: (4, 2), 8: (8, 0)}  # bits -> (low, high) planes
 
 
 @dataclass
 class QuantizedTensor:
-    """W [n, k] = d * u + m, with a (d, m) pair per group of k // d.shape[1] (32 or 16) k."""
-    u: torch.Tensor  # uint8 [n, k]; below 16 when bits == 4
-    d: torch.Tensor  # float16 [n, groups]
-    m: torch.Tensor  # float16 [n, groups]
-    bits: int  # 4 or 8: how u is stored when packed
+    """A matrix [n, k] as a GGUF file stores it: row by row, in blocks of format `qtype`."""
+    blocks: torch.Tensor  # uint8 [n, bytes per row]
+    qtype: int  # ggml's type id, a key of gguf_quants.BLOCK_FORMATS
 
-    @classmethod
-    def from_blocks(cls, ints: Ints, shape: tuple[int, ...]) -> "QuantizedTensor":
-        """A GGUF tensor of `shape` [n, k] from its blocks split into integers (gguf_quants.Ints)."""
-        n, k = shape
-        groups = ints.d.numel() // n
-        return cls(ints.u.reshape(n, k), ints.d.reshape(n, groups).half(), ints.m.reshape(n, groups).half(),
-                   ints.bits)
+    @property
+    def fmt(self) -> BlockFormat:
+        return BLOCK_FORMATS[self.qtype]
 
     @property
     def shape(self) -> torch.Size:
-        return self.u.shape
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] // self.fmt.type_size * self.fmt.block_size))
 
-    @property
-    def group(self) -> int:
-        """k per (d, m) pair: 32, or 16."""
-        return self.u.shape[1] // self.d.shape[1]
-
-    @property
-    def sub(self) -> int:
-        """(d, m) pairs per 32 k: 1, or 2 for groups of 16."""
-        return GROUP // self.group
+    def ints(self) -> Ints:
+        """The blocks split (gguf_quants.Ints), one row of Ints per block."""
+        return self.fmt.split(self.blocks.reshape(-1, self.fmt.type_size))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        u = self.u.view(self.u.shape[0], -1, self.group).float()
-        w = u * self.d.float()[..., None] + self.m.float()[..., None]
-        return w.view(self.u.shape).to(dtype)
+        from minivllm.model.gguf_quants import dequantize
+
+        return dequantize(self.blocks.reshape(-1), self.qtype, tuple(self.shape), dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> "QuantizedTensor":
-        """Rows (dim 0) or whole groups of columns (dim 1): what tensor parallelism shards."""
+        """Rows (dim 0) or whole blocks of columns (dim 1): what tensor parallelism shards."""
         if dim == 0:
-            return QuantizedTensor(self.u.narrow(0, start, length), self.d.narrow(0, start, length),
-                                   self.m.narrow(0, start, length), self.bits)
-        if start % GROUP or length % GROUP:
-            raise ValueError(f"a quantized weight splits along k at multiples of {GROUP}, not {start}+{length}")
-        g = self.group
-        return QuantizedTensor(self.u.narrow(1, start, length), self.d.narrow(1, start // g, length // g),
-                               self.m.narrow(1, start // g, length // g), self.bits)
-
-    def to(self, device: torch.device) -> "QuantizedTensor":
-        return QuantizedTensor(self.u.to(device), self.d.to(device), self.m.to(device), self.bits)
+            return QuantizedTensor(self.blocks.narrow(0, start, length), self.qtype)
+        block, size = self.fmt.block_size, self.fmt.type_size
+        if start % block or length % block:
+            raise ValueError(f"a {self.fmt.name} weight splits along k at multiples of {block}, not {start}+{length}")
+        return QuantizedTensor(self.blocks.narrow(1, start // block * size, length // block * size), self.qtype)
 
     def map_rows(self, fn) -> "QuantizedTensor":
-        """The same row permutation `fn` applied to the integers and their scales."""
-        return QuantizedTensor(fn(self.u), fn(self.d), fn(self.m), self.bits)
+        """The same row permutation `fn` applied to the rows' blocks."""
+        return QuantizedTensor(fn(self.blocks), self.qtype)
 
 
-def cat_rows(parts: list) -> "torch.Tensor | QuantizedTensor":
-    """Fuse weights along the output dimension (q/k/v, gate/up), float or quantized alike."""
-    if not isinstance(parts[0], QuantizedTensor):
-        return torch.cat(parts)
-    if len({(p.bits, p.sub) for p in parts}) > 1:  # e.g. Q4_K q/k beside a Q6_K v: widen to one layout
-        parts = [QuantizedTensor(p.u, p.d, p.m, 8) for p in parts]
-        if len({p.sub for p in parts}) > 1:
-            parts = [_split_groups(p) for p in parts]
-    return QuantizedTensor(torch.cat([p.u for p in parts]), torch.cat([p.d for p in parts]),
-                           torch.cat([p.m for p in parts]), max(p.bits for p in parts))
+def fuse_rows(parts: list) -> "torch.Tensor | list[QuantizedTensor]":
+    """Fuse weights along the output dimension (q/k/v, gate/up): float tensors into one; quantized ones
+    into runs of one format each (a Q5_0 q and k beside a Q8_0 v make two), computed as separate GEMMs
+    into one output. A float part among quantized ones makes the whole float (no bit is lost)."""
+    if not all(isinstance(p, QuantizedTensor) for p in parts):
+        return torch.cat([p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts])
+    runs: list[QuantizedTensor] = []
+    for p in parts:
+        if runs and runs[-1].qtype == p.qtype:
+            runs[-1] = QuantizedTensor(torch.cat([runs[-1].blocks, p.blocks]), p.qtype)
+        else:
+            runs.append(p)
+    return runs
 
 
-def _split_groups(t: QuantizedTensor) -> QuantizedTensor:
-    """Groups of 32 as two groups of 16 with the same scale: the same weights in Q6_K's layout."""
-    if t.sub == 2:
-        return t
-    return QuantizedTensor(t.u, t.d.repeat_interleave(2, dim=1), t.m.repeat_interleave(2, dim=1), t.bits)
-
-
+# -- quantizing a float weight at load (`--quantization int8|int4`) ----------------------------------
 def quantize(w: torch.Tensor, scheme: str) -> QuantizedTensor:
-    """A float weight [n, k] quantized at load: `int8` symmetric per output channel (u = q + 128), or
-    `int4` asymmetric per group of 128 k (min/max over the group, as AWQ does; 64 or 32 where 128 does
-    not divide k)."""
+    """A float weight [n, k] in ggml's blocks: `int8` as Q8_0 (d = amax / 127 per 32), `int4` as Q4_1
+    (d = (max - min) / 15 and m = min per 32). Each block rounds to nearest with its float16 scales."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"--quantization {scheme} needs in_features divisible by {GROUP}, not {k}")
-    w = w.float()
+    x = w.float().view(n, k // GROUP, GROUP)
     if scheme == "int8":
-        d = (w.abs().amax(dim=1, keepdim=True) / 127).half().float()
-        q = torch.where(d > 0, w / d, 0).round().clamp(-127, 127)
-        u = (q + 128).to(torch.uint8)
-        d = d.expand(n, k // GROUP)
-        return QuantizedTensor(u, d.half(), (d * -128).half(), 8)
-    group = next(g for g in INT4_GROUPS if k % g == 0)
-    groups = w.view(n, k // group, group)
-    lo, hi = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
-    d, m = ((hi - lo) / 15).half().float(), lo.half().float()
-    u = torch.where(d > 0, (groups - m) / d, 0).round().clamp(0, 15).to(torch.uint8).view(n, k)
-    per_block = group // GROUP  # the kernel's groups are 32: repeat each scale
-    return QuantizedTensor(u, d.view(n, -1).repeat_interleave(per_block, 1).half(),
-                           m.view(n, -1).repeat_interleave(per_block, 1).half(), 4)
+        d = (x.abs().amax(dim=2, keepdim=True) / 127).half()
+        q = torch.where(d > 0, x / d.float(), 0).round().clamp(-127, 127).to(torch.int8)
+        blocks = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=2)
+        return QuantizedTensor(blocks.view(n, -1), Q8_0)
+    lo, hi = x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    q = torch.where(d > 0, (x - m.float()) / d.float(), 0).round().clamp(0, 15).to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    blocks = torch.cat([d.view(torch.uint8), m.view(torch.uint8), nibbles], dim=2)
+    return QuantizedTensor(blocks.view(n, -1), Q4_1)
 
 
-# -- the packed layout of csrc/quant_gemm.c ------------------------------------------------------
-def block_bytes(bits: int, sub: int) -> int:
-    return PANEL * GROUP * bits // 8 + sub * 2 * PANEL * 2
+# -- the packed layout (module docstring; csrc/quant_gemm.c reads it) ------------------------------------
+def superblock(fmt: BlockFormat) -> int:
+    """k per packed super-block: the format's block."""
+    return fmt.block_size
 
 
-def pack(t: QuantizedTensor, pack_quantized) -> torch.Tensor:
-    """uint8 [panels, k / 32, block_bytes] by the C packer `pack_quantized` (kernels.QuantGemm.pack):
-    per panel of 16 columns and block of 32 k, the integers in groups of 4 k (column c's 4 bytes at
-    c * 4; bits 4: group g + 4 in the high nibbles of group g), then per sub-group 16 float16 d and 16
-    float16 m. Columns past n are zero."""
+def plane_bytes(fmt: BlockFormat) -> int:
+    """Bytes of one 32-k block's integer planes in a panel."""
+    return PANEL * GROUP * fmt.bits // 8
+
+
+def scale_bytes(fmt: BlockFormat) -> int:
+    """Bytes of one super-block's scales in a panel."""
+    groups = superblock(fmt) // fmt.group if fmt.sub_scales else 0
+    mins = fmt.sub_scales == "u8"
+    return 2 * PANEL * (1 + fmt.has_min) + groups * PANEL * (1 + mins)
+
+
+def superblock_bytes(fmt: BlockFormat) -> int:
+    return superblock(fmt) // GROUP * plane_bytes(fmt) + scale_bytes(fmt)
+
+
+def packed_bytes(fmt: BlockFormat, n: int, k: int) -> int:
+    return -(-n // PANEL) * k // superblock(fmt) * superblock_bytes(fmt)
+
+
+def pack(t: QuantizedTensor) -> torch.Tensor:
+    """uint8 [panels, k / super-block * super-block bytes]: the layout above; columns past n are zero.
+    In torch, chunks of rows on the decoding pool: it runs once per model (weight_cache.py keeps it)."""
     n, k = t.shape
-    u, d, m = t.u.contiguous(), t.d.contiguous(), t.m.contiguous()
-    out = torch.empty(-(-n // PANEL), k // GROUP, block_bytes(t.bits, t.sub), dtype=torch.uint8)
-    pack_quantized(u.data_ptr(), d.data_ptr(), m.data_ptr(), n, k, t.bits, t.sub, out.data_ptr())
+    fmt = t.fmt
+    out = torch.empty(-(-n // PANEL), k // superblock(fmt) * superblock_bytes(fmt), dtype=torch.uint8)
+
+    def pack_rows(start: int, end: int) -> None:
+        rows = t.blocks[start:end]
+        if rows.shape[0] % PANEL:  # zero blocks: every format's zero bytes decode to finite weights
+            rows = torch.cat([rows, rows.new_zeros(PANEL - rows.shape[0] % PANEL, rows.shape[1])])
+        out[start // PANEL:-(-end // PANEL)] = _pack_panels(fmt, QuantizedTensor(rows, t.qtype))
+
+    for _ in decode_pool().map(lambda start: pack_rows(start, min(start + PACK_ROWS, n)), range(0, n, PACK_ROWS)):
+        pass  # (re-raises a chunk's error)
     return out
 
 
-def unpack(packed: torch.Tensor, n: int, bits: int, sub: int) -> QuantizedTensor:
-    """The inverse of `pack`: for the torch twin when a model packed for the kernel runs without it."""
-    panels, blocks, _ = packed.shape
-    qbytes = PANEL * GROUP * bits // 8
-    u = packed[:, :, :qbytes].reshape(panels, blocks, -1, PANEL, 4)
+def _pack_panels(fmt: BlockFormat, t: QuantizedTensor) -> torch.Tensor:
+    """Whole panels of rows -> [panels, super-blocks * super-block bytes]."""
+    n, k = t.shape
+    panels, sbs, blocks = n // PANEL, k // superblock(fmt), superblock(fmt) // GROUP
+    ints = t.ints()
+    u = ints.u.reshape(panels, PANEL, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # [P, B, g, c, j]
+    low_bits, high_bits = _PLANE_BITS[fmt.bits]
+    planes = [_planes(u & ((1 << low_bits) - 1), low_bits)]
+    if high_bits:
+        planes.append(_planes(u >> low_bits, high_bits))
+    planes = torch.cat([p.reshape(panels, k // GROUP, -1) for p in planes], dim=2)
+    parts = [planes.reshape(panels, sbs, blocks * plane_bytes(fmt))]
+
+    def per_column(x: torch.Tensor) -> torch.Tensor:  # [n * sbs, width] -> [P, sbs, width * 16] bytes
+        x = x.reshape(panels, PANEL, sbs, -1).permute(0, 2, 3, 1).contiguous()
+        return x.view(torch.uint8).reshape(panels, sbs, -1)
+
+    parts.append(per_column(ints.d.half()))
+    if fmt.has_min:
+        parts.append(per_column(ints.dmin.half()))
+    if fmt.sub_scales == "nibbles":
+        parts.append(per_column((ints.sc | (ints.mn << 4)).to(torch.uint8)))
+    elif fmt.sub_scales:
+        parts.append(per_column(ints.sc.to(torch.int8)))
+        if ints.mn is not None:
+            parts.append(per_column(ints.mn.to(torch.uint8)))
+    return torch.cat(parts, dim=2).reshape(panels, -1)
+
+
+def _planes(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """[P, B, 8 groups, 16, 4] fields of `bits` bits -> the bytes of their plane, [P, B, ...]."""
+    if bits == 8:
+        return x
     if bits == 4:
-        u = torch.cat([u & 0x0F, u >> 4], dim=2)
-    u = u.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, blocks * GROUP)[:n]
-    scales = packed[:, :, qbytes:].contiguous().view(torch.float16).view(panels, blocks, sub, 2, PANEL)
-    d, m = (scales[:, :, :, i].permute(0, 3, 1, 2).reshape(panels * PANEL, blocks * sub)[:n] for i in (0, 1))
-    return QuantizedTensor(u.contiguous(), d.contiguous(), m.contiguous(), bits)
+        return x[:, :, :4] | (x[:, :, 4:] << 4)
+    if bits == 2:
+        return x[:, :, 0:2] | (x[:, :, 2:4] << 2) | (x[:, :, 4:6] << 4) | (x[:, :, 6:8] << 6)
+    shifted = x & 1  # bits == 1: bit g of each byte is group g's
+    out = shifted[:, :, 0].clone()
+    for g in range(1, 8):
+        out |= shifted[:, :, g] << g
+    return out
+
+
+def unpack(packed: torch.Tensor, fmt: BlockFormat, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack`, as the kernel reads it: (v uint8 [n, k], d and m float32 [n, k / group]),
+    w = d * v + m per group of `fmt.group` k (v: the IQ4 table's value where the format has one)."""
+    panels = packed.shape[0]
+    sbs, blocks = k // superblock(fmt), superblock(fmt) // GROUP
+    sb = packed.view(panels, sbs, superblock_bytes(fmt))
+    planes = sb[:, :, :blocks * plane_bytes(fmt)].reshape(panels, sbs * blocks, plane_bytes(fmt))
+    low_bits, high_bits = _PLANE_BITS[fmt.bits]
+    low_size = PANEL * GROUP * low_bits // 8
+    u = _fields(planes[:, :, :low_size], low_bits)
+    if high_bits:
+        u = u | (_fields(planes[:, :, low_size:], high_bits) << low_bits)
+    u = u.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, k)[:n]  # [P, B, g, c, j] -> rows
+    v = values(fmt, u)
+    scales = sb[:, :, blocks * plane_bytes(fmt):]
+
+    def per_column(start: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        size = width * PANEL * dtype.itemsize
+        x = scales[:, :, start:start + size].contiguous().view(dtype).view(panels, sbs, width, PANEL)
+        return x.permute(0, 3, 1, 2).reshape(panels * PANEL, sbs * width)[:n].float(), start + size
+
+    d, at = per_column(0, 1, torch.float16)
+    dmin, at = per_column(at, 1, torch.float16) if fmt.has_min else (None, at)
+    groups = superblock(fmt) // fmt.group
+    if not fmt.sub_scales:
+        return v, d, dmin if dmin is not None else d * -fmt.offset
+    if fmt.sub_scales == "nibbles":
+        both, at = per_column(at, groups, torch.uint8)
+        sc, mn = both.int() & 0x0F, both.int() >> 4
+    else:
+        sc, at = per_column(at, groups, torch.int8 if fmt.sub_scales == "i8" else torch.uint8)
+        mn, at = per_column(at, groups, torch.uint8) if fmt.has_min else (None, at)
+    d = torch.mul(sc.float(), d.repeat_interleave(groups, dim=1))
+    m = -(mn.float() * dmin.repeat_interleave(groups, dim=1)) if fmt.has_min else d * -fmt.offset
+    return v, d, m
+
+
+def _fields(plane: torch.Tensor, bits: int) -> torch.Tensor:
+    """A plane's bytes [P, B, size] -> its fields [P, B, 8 groups, 16, 4]."""
+    p, b = plane.shape[:2]
+    if bits == 8:
+        return plane.reshape(p, b, 8, PANEL, 4)
+    if bits == 4:
+        x = plane.reshape(p, b, 4, PANEL, 4)
+        return torch.cat([x & 0x0F, x >> 4], dim=2)
+    if bits == 2:
+        x = plane.reshape(p, b, 2, PANEL, 4)
+        return torch.cat([(x >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2)
+    x = plane.reshape(p, b, 1, PANEL, 4)  # bits == 1
+    return torch.cat([(x >> g) & 1 for g in range(8)], dim=2)
 
 
 # -- the torch twin -------------------------------------------------------------------------------
@@ -157,84 +259,110 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, k] -> (x8 as float32 [rows, k / 32, 32], dx float32 [rows, k / 32, 1]), per row and block."""
     blocks = x.float().view(x.shape[0], -1, GROUP)
     amax = blocks.abs().amax(dim=2, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, 0)
-    return (blocks * inv).round(), amax / 127
+    # Divisions of two tensors, rounded once as the kernel's are (`127 / amax` would be 127 * (1 / amax)).
+    q = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, q / amax, 0)
+    return (blocks * inv).round(), amax / q
 
 
-def linear_twin(x: torch.Tensor, t: QuantizedTensor, bias: torch.Tensor | None = None,
-                chunk: int = 4096) -> torch.Tensor:
-    """The quantized linear in torch: each group's dot product of x8 and u (exact integers in float32),
+def linear_twin(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int,
+                bias: torch.Tensor | None = None, chunk_panels: int = 256) -> torch.Tensor:
+    """The quantized linear in torch: each group's dot product of x8 and v (exact integers in float32),
     scaled by d * dx, plus m * dx * sum(x8). Sums are ordered differently from the kernel's, so results
     agree to float32 rounding, not bit for bit."""
+    k = x.shape[1]
     x8, dx = quantize_activations(x)
-    sub = t.sub
-    x8 = x8.view(x.shape[0], -1, t.group)  # [rows, groups, group]
-    dx = dx.repeat_interleave(sub, dim=1)  # [rows, groups, 1]
+    group = fmt.group
+    x8 = x8.view(x.shape[0], -1, group)  # [rows, groups, group]
+    dx = dx.repeat_interleave(GROUP // group, dim=1)  # [rows, groups, 1]
     sx = x8.sum(dim=2) * dx[..., 0]  # [rows, groups]
-    out = torch.empty(x.shape[0], t.shape[0], dtype=torch.float32, device=x.device)
-    for n0 in range(0, t.shape[0], chunk):  # bounded memory for a large LM head
-        part = t.narrow(0, n0, min(chunk, t.shape[0] - n0))
-        u = part.u.view(part.u.shape[0], -1, t.group).float()
-        isum = torch.einsum("rgk,ngk->rng", x8, u)
-        d, m = part.d.float(), part.m.float()
-        out[:, n0:n0 + part.shape[0]] = (isum * (d[None] * dx[:, None, :, 0])).sum(-1) + sx @ m.T
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for p0 in range(0, packed.shape[0], chunk_panels):  # bounded memory for a large LM head
+        n0 = p0 * PANEL
+        rows = min(chunk_panels * PANEL, n - n0)
+        v, d, m = unpack(packed[p0:p0 + chunk_panels], fmt, rows, k)
+        isum = torch.einsum("rgk,ngk->rng", x8, v.view(rows, -1, group).float())
+        out[:, n0:n0 + rows] = (isum * (d[None] * dx[:, None, :, 0])).sum(-1) + sx @ m.T
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
 
 
+# -- a layer's weight ---------------------------------------------------------------------------------
+@dataclass
+class Segment:
+    """Output rows in one format, packed (`pack`)."""
+    qtype: int
+    n: int
+    packed: torch.Tensor
+
+    @property
+    def fmt(self) -> BlockFormat:
+        return BLOCK_FORMATS[self.qtype]
+
+
 @dataclass(eq=False)  # compared by identity: a tied embedding and LM head share one object
 class QuantizedWeight:
-    """A linear layer's quantized weight, held the way its compute path wants it: packed for the native
-    kernel (only that copy is kept: the memory target), or as a QuantizedTensor for the torch twin.
-    An embedding tied to the LM head shares the object and reads its rows from it."""
-    n: int
+    """A linear layer's quantized weight: its output rows in segments, one per format (one, unless the
+    file mixes formats in a fused q/k/v or gate/up), each packed. Computed by the native kernel
+    (kernels.QuantGemm) where there is one, else by the torch twin from the same bytes. An embedding
+    tied to the LM head shares the object and reads its rows from it."""
     k: int
-    bits: int
-    sub: int
-    tensor: QuantizedTensor | None = None  # for the torch twin
-    packed: torch.Tensor | None = None  # for the native kernel (quant.pack; weight_cache.py maps it back)
+    segments: list[Segment]
     kernel: Any = None  # kernels.QuantGemm, or None: the twin
     dtype: torch.dtype = torch.float32  # of the activations, and of the rows an embedding reads
+    offsets: list[int] = field(init=False)  # each segment's first output row
+
+    def __post_init__(self) -> None:
+        self.offsets = [sum(s.n for s in self.segments[:i]) for i in range(len(self.segments))]
 
     @classmethod
-    def of(cls, tensor: QuantizedTensor) -> "QuantizedWeight":
-        n, k = tensor.shape
-        return cls(n, k, tensor.bits, tensor.sub, tensor)
+    def of(cls, tensors: "QuantizedTensor | list[QuantizedTensor]") -> "QuantizedWeight":
+        tensors = tensors if isinstance(tensors, list) else [tensors]
+        return cls(tensors[0].shape[1], [Segment(t.qtype, t.shape[0], pack(t)) for t in tensors])
+
+    @property
+    def n(self) -> int:
+        return sum(s.n for s in self.segments)
 
     def use_kernel(self, kernel, dtype: torch.dtype) -> None:
-        if kernel is not None and self.packed is None:
-            self.packed, self.tensor = kernel.pack(self.tensor), None
-        elif kernel is None and self.tensor is None:
-            self.tensor, self.packed = unpack(self.packed, self.n, self.bits, self.sub), None
         self.kernel, self.dtype = kernel, dtype
 
     def to(self, device: torch.device) -> None:
         """Where the twin computes (CUDA dequantizes by default; this is the explicit --quantization path)."""
-        if self.tensor is not None:
-            self.tensor = self.tensor.to(device)
+        for s in self.segments:
+            s.packed = s.packed.to(device)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, padded_bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias: float32 for the kernel)."""
         if self.kernel is not None:
-            return self.kernel.forward(x, self.packed, self.bits, self.sub, padded_bias, self.n)
-        return linear_twin(x, self.tensor, bias)
+            return self.kernel.forward(x, self, bias)
+        if len(self.segments) == 1:
+            s = self.segments[0]
+            return linear_twin(x, s.packed, s.fmt, s.n, bias)
+        return torch.cat([linear_twin(x, s.packed, s.fmt, s.n, None if bias is None else bias[o:o + s.n])
+                          for s, o in zip(self.segments, self.offsets)], dim=1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized: an embedding lookup (a one-segment weight)."""
+        s = self.segments[0]
+        flat = ids.flatten()
         if self.kernel is not None:
-            return self.kernel.rows(self.packed, self.bits, self.sub, self.k, ids.flatten()).view(*ids.shape, self.k)
-        t = self.tensor
-        return t.map_rows(lambda r: r[ids.flatten()]).dequantize(self.dtype).view(*ids.shape, self.k)
+            return self.kernel.rows(s, self.k, flat).view(*ids.shape, self.k)
+        panels = torch.div(flat, PANEL, rounding_mode="floor")
+        v, d, m = unpack(s.packed[panels], s.fmt, len(flat) * PANEL, self.k)
+        pick = torch.arange(len(flat), device=flat.device) * PANEL + flat % PANEL
+        w = v[pick].view(len(flat), -1, s.fmt.group).float() * d[pick][..., None] + m[pick][..., None]
+        return w.view(*ids.shape, self.k).to(self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [n, k] (tests and checks)."""
+        parts = []
+        for s in self.segments:
+            v, d, m = unpack(s.packed, s.fmt, s.n, self.k)
+            parts.append((v.view(s.n, -1, s.fmt.group).float() * d[..., None] + m[..., None]).view(s.n, self.k))
+        return torch.cat(parts)
 
     @property
     def nbytes(self) -> int:
-        held = [self.packed] if self.packed is not None else [self.tensor.u, self.tensor.d, self.tensor.m]
-        return sum(t.numel() * t.element_size() for t in held)
-
-
-def padded_bias(bias: torch.Tensor | None, n: int, panel: int = PANEL) -> torch.Tensor | None:
-    """A native kernel's bias: float32, zero-padded to whole panels."""
-    if bias is None:
-        return None
-    out = torch.zeros(-(-n // panel) * panel, dtype=torch.float32)
-    out[:n] = bias.float()
-    return out
+        return sum(s.packed.numel() for s in self.segments)

@@ -7,9 +7,9 @@ cache directory, keyed by all four, and later starts map the file and use its te
 split, no pack, and pages shared with the OS page cache (the mapping is private: nothing is written
 back).
 
-One file per entry: 8 bytes of header length, a JSON header (the ModelConfig; per tensor its name,
-dtype, shape and offset; per quantized weight its shape and layout), then the tensors' bytes, each at
-a multiple of 64.
+One file per entry: 8 bytes of header length, a JSON header (the ModelConfig; per tensor its names,
+dtype, shape and offset; per quantized weight its names, k, and per segment its format, rows, shape and
+offset), then the tensors' bytes, each at a multiple of 64.
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from minivllm.config import cache_dir
-from minivllm.model.kernels import library_key, quant_gemm
+from minivllm.model.kernels import library_key
 from minivllm.model.loader import ModelConfig, checkpoint_digest
-from minivllm.model.quant import QuantizedWeight
+from minivllm.model.quant import QuantizedWeight, Segment
 
-CACHE_VERSION = 1  # bump when what is saved changes
+CACHE_VERSION = 2  # bump when what is saved changes
 KEEP_ENTRIES = 6  # the newest entries kept (a model in two dtypes and a few quantizations)
 _ALIGN = 64
 
@@ -42,7 +42,7 @@ def cache_file(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
     """Where this model's built weights are cached, or None where there is nothing worth caching:
     only quantized weights packed for the native kernel cost time to build (float weights are mapped
     from the checkpoint already)."""
-    if quantization == "none" or quant_gemm(device, dtype) is None:
+    if quantization == "none" or device.type != "cpu":
         return None
     key = "-".join([checkpoint_digest(path)[:24], str(dtype).removeprefix("torch."), quantization,
                     library_key(), f"v{CACHE_VERSION}"])
@@ -61,13 +61,18 @@ def load(file: Path) -> tuple[ModelConfig, State] | None:
             return None
         start = _aligned(8 + length)
         state: State = {}
+
+        def mapped(entry: dict) -> torch.Tensor:
+            return torch.frombuffer(data, dtype=getattr(torch, entry["dtype"]), count=math.prod(entry["shape"]),
+                                    offset=start + entry["offset"]).view(entry["shape"])
+
         for entry in header["tensors"]:
-            tensor = torch.frombuffer(data, dtype=getattr(torch, entry["dtype"]), count=math.prod(entry["shape"]),
-                                      offset=start + entry["offset"]).view(entry["shape"])
-            if "quantized" in entry:
-                tensor = QuantizedWeight(*entry["quantized"], packed=tensor)
+            if "segments" in entry:
+                value = QuantizedWeight(entry["k"], [Segment(s["qtype"], s["n"], mapped(s)) for s in entry["segments"]])
+            else:
+                value = mapped(entry)
             for name in entry["names"]:
-                state[name] = tensor
+                state[name] = value
         config = ModelConfig(**header["config"])
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
@@ -79,21 +84,24 @@ def load(file: Path) -> tuple[ModelConfig, State] | None:
 def save(file: Path, config: ModelConfig, state: State) -> None:
     """Write the entry aside and rename it into place (a reader never sees half a file); a failure to
     write costs the next start its speed, nothing else."""
-    entries: dict[int, dict] = {}  # one entry per tensor object, under every name that holds it
-    tensors: list[torch.Tensor] = []
+    entries: dict[int, dict] = {}  # one entry per weight object, under every name that holds it
+    stored: list[tuple[dict, torch.Tensor]] = []  # (where its place is noted, the tensor)
     for name, value in state.items():
         if id(value) in entries:
             entries[id(value)]["names"].append(name)
             continue
-        tensor = value.packed if isinstance(value, QuantizedWeight) else value.detach()
-        entry = {"names": [name], "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
         if isinstance(value, QuantizedWeight):
-            entry["quantized"] = [value.n, value.k, value.bits, value.sub]
+            entry = {"names": [name], "k": value.k, "segments": []}
+            for segment in value.segments:
+                entry["segments"].append({"qtype": segment.qtype, "n": segment.n})
+                stored.append((entry["segments"][-1], segment.packed))
+        else:
+            entry = {"names": [name]}
+            stored.append((entry, value.detach()))
         entries[id(value)] = entry
-        tensors.append(tensor.contiguous())
     offset = 0  # from the start of the data, which follows the header at the next multiple of _ALIGN
-    for entry, tensor in zip(entries.values(), tensors):
-        entry["offset"] = offset
+    for place, tensor in stored:
+        place.update(dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape), offset=offset)
         offset += _aligned(tensor.numel() * tensor.element_size())
     header = json.dumps({"version": CACHE_VERSION, "config": dataclasses.asdict(config),
                          "tensors": list(entries.values())}).encode()
@@ -103,9 +111,9 @@ def save(file: Path, config: ModelConfig, state: State) -> None:
         with tempfile.NamedTemporaryFile(dir=file.parent, prefix=".writing-", delete=False) as f:
             try:
                 f.write(struct.pack("<Q", len(header)) + header)
-                for entry, tensor in zip(entries.values(), tensors):
-                    f.seek(start + entry["offset"])  # the gap reads as zeros
-                    f.write(tensor.reshape(-1).view(torch.uint8).numpy())
+                for place, tensor in stored:
+                    f.seek(start + place["offset"])  # the gap reads as zeros
+                    f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
                 f.flush()
                 os.replace(f.name, file)
             except BaseException:

@@ -16,12 +16,20 @@
 
 #include "bf16.h"
 
+#define MAX_SEGMENTS 3  /* a fused q/k/v in three formats */
+
 typedef struct {
-    const void *weight;  /* gemm.c's float panels, or quant_gemm.c's packed blocks */
-    const float *bias;   /* float32, padded to whole panels, or NULL */
+    const void *weight;  /* quant_gemm.c's packed panels of one block format */
+    int64_t n;           /* output columns */
+    int64_t qtype;       /* ggml's type id */
+} SegmentDesc;
+
+typedef struct {
+    const void *weight;  /* gemm.c's float panels (num_segments == 0) */
+    const float *bias;   /* float32 (the float GEMM's padded to whole panels), or NULL */
     int64_t n, k;
-    int32_t bits;        /* 0: float panels (gemm_*); 4 or 8: quantized (qgemm_*) */
-    int32_t sub;
+    int64_t num_segments;  /* 0: float (gemm_*); else quantized (qgemm_*), one call per segment */
+    SegmentDesc segments[MAX_SEGMENTS];
 } LinearDesc;
 
 typedef struct {
@@ -50,7 +58,7 @@ typedef struct {
 #define DECLARE_KERNELS(S, T, W)                                                                         \
     void gemm_##S(const T *x, int64_t ldx, const W *w, const float *bias, T *out, int64_t ldo,          \
                   int64_t M, int64_t N, int64_t K);                                                      \
-    void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int bits, int sub, const float *bias,      \
+    void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,              \
                    T *out, int64_t ldo, int64_t M, int64_t N, int64_t K);                                \
     void add_rms_norm_##S(const T *delta, T *residual, const T *weight, T *out, int64_t tokens,          \
                           int64_t hidden, float eps);                                                    \
@@ -76,10 +84,15 @@ typedef struct {
 DECLARE_KERNELS(S, T, W)                                                                                 \
                                                                                                          \
 static void linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {                             \
-    if (l->bits)                                                                                         \
-        qgemm_##S(x, l->k, (const uint8_t *)l->weight, l->bits, l->sub, l->bias, out, l->n, M, l->n, l->k); \
-    else                                                                                                 \
+    if (!l->num_segments) {                                                                              \
         gemm_##S(x, l->k, (const W *)l->weight, l->bias, out, l->n, M, l->n, l->k);                      \
+        return;                                                                                          \
+    }                                                                                                    \
+    for (int64_t i = 0, offset = 0; i < l->num_segments; offset += l->segments[i++].n) {                 \
+        const SegmentDesc *seg = &l->segments[i];                                                        \
+        qgemm_##S(x, l->k, (const uint8_t *)seg->weight, (int)seg->qtype, l->bias ? l->bias + offset : NULL, \
+                  out + offset, l->n, M, seg->n, l->k);                                                  \
+    }                                                                                                    \
 }                                                                                                        \
                                                                                                          \
 /* residual [tokens, hidden]: the embeddings in, the residual stream after the last layer out;           \

@@ -80,7 +80,8 @@ void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {
         _Pragma("omp simd")                                                                                \
         for (int64_t i = 0; i < inter; i++) {                                                              \
             const float x = LOAD(g[i]);                                                                    \
-            o[i] = STORE(round_##S(x / (1.f + expf(-x))) * LOAD(u[i]));                                    \
+            /* exp of at most 88: expf(-x) past float range is inf, which -ffast-math may turn to NaN */  \
+            o[i] = STORE(round_##S(x / (1.f + expf(fminf(-x, 88.f)))) * LOAD(u[i]));                      \
         }                                                                                                  \
     }                                                                                                      \
 }
