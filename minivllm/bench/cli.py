@@ -68,7 +68,8 @@ def cmd_latency(args: argparse.Namespace) -> None:
     result = run_latency(config, args.batch_size, args.input_len, args.output_len, args.num_iters,
                          args.num_iters_warmup)
     print(result.text())
-    write_json(args.output_json, {"engine": asdict(config), "result": asdict(result)})
+    write_json(args.output_json, {"engine": asdict(config),
+                                  "result": asdict(result) | {"prefill_tokens_per_s": result.prefill_tokens_per_s}})
 
 
 # -- serve ----------------------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ def _span(bounds: tuple[int, int], sep: str = "..") -> str:
 
 # -- roofline -------------------------------------------------------------------------------------------
 def cmd_roofline(args: argparse.Namespace) -> None:
-    from minivllm.bench.roofline import format_roofline, measure
+    from minivllm.bench.roofline import file_bytes_per_token, format_roofline, measure
     from minivllm.model.loader import load_checkpoint, resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -184,9 +185,16 @@ def cmd_roofline(args: argparse.Namespace) -> None:
     roof = measure(model_config, device, args.num_tokens, args.dtypes,
                    progress=lambda what: print(f"measuring {what}...", file=sys.stderr, flush=True))
     print(format_roofline(roof, path.stem))
+    file_bytes = file_bytes_per_token(path)
+    bound = roof.read_bandwidth / file_bytes
+    print(f"batch-1 bound of {path.name} as stored: {file_bytes / 1e6:.0f} MB of tensors read per token / "
+          f"{roof.read_bandwidth / 1e9:.1f} GB/s = {bound:.1f} tokens/s")
     write_json(args.output_json, {"model": str(path), **asdict(roof),
                                   "batch1_decode_tokens_per_s": {d: roof.batch1_decode_tokens_per_s(d)
-                                                                 for d in roof.per_dtype}})
+                                                                 for d in roof.per_dtype},
+                                  "weight_bytes_per_token": file_bytes,
+                                  "read_bandwidth_gb_s": roof.read_bandwidth / 1e9,
+                                  "batch1_bound_tokens_per_s": bound})
 
 
 # -- the parser -----------------------------------------------------------------------------------------

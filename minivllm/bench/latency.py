@@ -6,6 +6,7 @@ the engine's own split of it (schedule, input preparation, forward, sampling, up
 step's inputs to the workers (in the preparation)."""
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 
@@ -26,16 +27,25 @@ class LatencyResult:
     decode_step_ms: float  # mean over the steps in which every sequence decodes
     decode_steps: int
     step_time_shares: dict[str, float]  # of those decode steps
+    prefill_seconds: list[float]  # per iteration: until every sequence has its first token
+    weight_bytes_held: int  # the model's weights as held in memory (packed quantized weights at their size)
+    peak_rss_bytes: int  # of this process, at the end
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.batch_size * self.input_len * len(self.prefill_seconds) / sum(self.prefill_seconds)
 
     def text(self) -> str:
         lat = np.array(self.latencies) * 1000
         return (f"Batch {self.batch_size} x {self.input_len} prompt tokens -> {self.output_len} tokens each: "
                 f"latency mean {lat.mean():.0f} ms, P50 {np.percentile(lat, 50):.0f}, P90 {np.percentile(lat, 90):.0f} "
                 f"({len(lat)} iterations)\n"
+                f"Prefill: {self.prefill_tokens_per_s:.1f} prompt tokens/s (mean over the iterations)\n"
                 f"Decode step: {self.decode_step_ms:.1f} ms at batch {self.batch_size} "
                 f"({self.batch_size * 1000 / self.decode_step_ms:.1f} output tokens/s), mean of "
                 f"{self.decode_steps} steps\nDecode step time: "
-                + ", ".join(f"{k} {v:.1%}" for k, v in self.step_time_shares.items()))
+                + ", ".join(f"{k} {v:.1%}" for k, v in self.step_time_shares.items())
+                + f"\nWeights held: {self.weight_bytes_held / 1e6:.0f} MB; peak RSS {self.peak_rss_bytes / 1e6:.0f} MB")
 
 
 def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_len: int,
@@ -44,7 +54,7 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
     warm_up(engine)
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    latencies, decode_seconds, decode_steps = [], 0.0, 0
+    latencies, prefills, decode_seconds, decode_steps = [], [], 0.0, 0
     group = getattr(engine.runner, "group", None)  # tensor parallel: rank 0's TensorParallelGroup
     for i in range(num_iters_warmup + num_iters):
         # Random token ids, fresh each iteration so that the prefix cache cannot serve them.
@@ -60,6 +70,8 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
             if group is not None:
                 group.all_reduce_time = group.send_time = 0.0
         decode_start, steps = time.perf_counter(), 0
+        if measured:
+            prefills.append(decode_start - start)
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
@@ -72,6 +84,15 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
         step_seconds = sum(engine.step_time.values()) or 1.0
         shares |= {"of which all_reduce": group.all_reduce_time / step_seconds,
                    "of which step broadcast": group.send_time / step_seconds}
+    model = getattr(engine.runner, "model", None)  # tensor parallel: rank 0 holds its shard only
+    held = weight_bytes_held(model) if model is not None else 0
     engine.close()
     return LatencyResult(batch_size, input_len, output_len, latencies,
-                         1000 * decode_seconds / max(decode_steps, 1), decode_steps, shares)
+                         1000 * decode_seconds / max(decode_steps, 1), decode_steps, shares, prefills, held,
+                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def weight_bytes_held(model) -> int:
+    """Bytes of every weight the model holds: parameters, and quantized weights as packed (each once)."""
+    params = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(params.values()) + sum(w.nbytes for w in model.quantized_weights())

@@ -12,14 +12,17 @@ into a ratio that does not depend on how busy or fast the machine was that day.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from minivllm.model.kernels import read_stream
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig
 
@@ -136,9 +139,14 @@ def time_gemm(shape: GemmShape, tokens: int, dtype: torch.dtype, device: torch.d
         return GemmTiming(shape, best_time(lambda: F.linear(x, w), device))
 
 
-def read_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> float:
-    """Bytes/s of a matrix-vector product over a matrix far larger than any cache: a streaming read
-    of every byte once, which is what batch-1 decode does to the weights."""
+def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> float:
+    """Bytes/s of a streaming read of every byte once over a buffer far larger than any cache, which is
+    what batch-1 decode does to the weights: the native all-thread vector read where the kernels run
+    (a torch matrix-vector product reads at half the rate here), else a matrix-vector product."""
+    stream = read_stream(device)
+    if stream is not None:
+        buffer = torch.ones(nbytes // 8, dtype=torch.int64)
+        return nbytes / best_time(lambda: stream(buffer.data_ptr(), buffer.numel()), device)
     columns = 4096
     matrix = torch.ones(nbytes // 4 // columns, columns, dtype=torch.float32, device=device)
     vector = torch.ones(columns, dtype=torch.float32, device=device)
@@ -160,6 +168,31 @@ def measure(config: ModelConfig, device: torch.device, tokens: int = 512, dtypes
     if progress:
         progress("memory read bandwidth")
     return Roofline(str(device), torch.get_num_threads(), tokens, read_bandwidth(device), per_dtype)
+
+
+def file_bytes_per_token(path: Path) -> int:
+    """The checkpoint's tensor bytes a batch-1 decode step reads: every tensor but the token embedding
+    (a lookup of one row), unless it is also the LM head (tied)."""
+    if path.is_dir():
+        from safetensors import safe_open
+
+        sizes = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    sizes[name] = f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()
+        nbytes = {n: math.prod(shape) * _SAFETENSORS_BYTES[dtype] for n, (shape, dtype) in sizes.items()}
+        embedding, head = "model.embed_tokens.weight", "lm_head.weight"
+    else:
+        from minivllm.model.gguf_file import GGUFFile
+
+        nbytes = {t.name: t.nbytes for t in GGUFFile(path).tensors}
+        embedding, head = "token_embd.weight", "output.weight"
+    tied = head not in nbytes
+    return sum(size for name, size in nbytes.items() if name != embedding or tied)
+
+
+_SAFETENSORS_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def format_roofline(r: Roofline, model_name: str) -> str:

@@ -12,12 +12,11 @@ serve them all:
 with v the stored integer u, or for the IQ4 formats the non-uniform table's value at index u, shifted
 to be unsigned (`IQ4_VALUES` + 128). The float decoder computes it with the gguf package's float32
 operations in its order, so that its results are bit-identical to `gguf.quants.dequantize`; it runs
-in chunks on a pool of threads, written straight into the output, so that no full float32 copy of a
+in chunks on threads, written straight into the output, so that no full float32 copy of a
 tensor exists when the model wants another dtype.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -261,13 +260,15 @@ def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: tor
 
 
 def _in_chunks(num_blocks: int, block_size: int, work) -> None:
-    """work(start, end) over chunks of blocks, spread over the pool of threads."""
+    """work(start, end) over chunks of blocks, spread over threads."""
     step = max(1, CHUNK_ELEMENTS // block_size)
-    starts = range(0, num_blocks, step)
-    for _ in decode_pool().map(lambda start: work(start, min(start + step, num_blocks)), starts):
-        pass  # (re-raises a chunk's error)
+    in_parallel(lambda start: work(start, min(start + step, num_blocks)), range(0, num_blocks, step))
 
 
-@functools.lru_cache(maxsize=1)
-def decode_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="minivllm-dequantize")
+def in_parallel(work, items) -> None:
+    """work(item) for every item on a pool of threads that ends with the call (re-raising an item's error).
+    Not a pool kept for later: a thread that ran torch ops keeps an OpenMP team of its own, and idle teams
+    beside the kernels' own slowed batch-1 GEMMs 2-7x on 2 cores."""
+    with ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="minivllm-decode") as pool:
+        for _ in pool.map(work, items):
+            pass

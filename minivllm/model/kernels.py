@@ -106,6 +106,7 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"silu_and_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
     if hasattr(lib, "pack_panels"):  # AVX-512
         lib.pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
+    lib.read_stream.argtypes, lib.read_stream.restype = [_PTR, _I64], ctypes.c_uint64
     for suffix in _DTYPE_SUFFIX.values():
         if hasattr(lib, f"qgemm_{suffix}"):  # AVX512-VNNI (and -BF16 for bf16)
             getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64,
@@ -244,6 +245,12 @@ def quant_gemm(device: torch.device, dtype: torch.dtype) -> QuantGemm | None:
     """The native quantized linear for this device and activation dtype, or None (the torch twin)."""
     lib = _cpu_library(device, dtype)
     return QuantGemm(lib, dtype) if lib is not None and hasattr(lib, f"qgemm_{_DTYPE_SUFFIX[dtype]}") else None
+
+
+def read_stream(device: torch.device):
+    """csrc/bandwidth.c's streaming read (buffer, 8-byte words) for this device, or None."""
+    lib = _cpu_library(device, torch.float32)
+    return None if lib is None else lib.read_stream
 
 
 def forward_layers(device: torch.device, dtype: torch.dtype):

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from minivllm.model.gguf_quants import BLOCK_FORMATS, BlockFormat, Ints, decode_pool, values
+from minivllm.model.gguf_quants import BLOCK_FORMATS, BlockFormat, Ints, in_parallel, values
 
 GROUP = 32  # k per activation block (and per 32-k block of every layout)
 PANEL = 16  # csrc/quant_gemm.c: output columns per packed panel
@@ -142,7 +142,7 @@ def packed_bytes(fmt: BlockFormat, n: int, k: int) -> int:
 
 def pack(t: QuantizedTensor) -> torch.Tensor:
     """uint8 [panels, k / super-block * super-block bytes]: the layout above; columns past n are zero.
-    In torch, chunks of rows on the decoding pool: it runs once per model (weight_cache.py keeps it)."""
+    In torch, chunks of rows on threads: it runs once per model (weight_cache.py keeps it)."""
     n, k = t.shape
     fmt = t.fmt
     out = torch.empty(-(-n // PANEL), k // superblock(fmt) * superblock_bytes(fmt), dtype=torch.uint8)
@@ -153,8 +153,7 @@ def pack(t: QuantizedTensor) -> torch.Tensor:
             rows = torch.cat([rows, rows.new_zeros(PANEL - rows.shape[0] % PANEL, rows.shape[1])])
         out[start // PANEL:-(-end // PANEL)] = _pack_panels(fmt, QuantizedTensor(rows, t.qtype))
 
-    for _ in decode_pool().map(lambda start: pack_rows(start, min(start + PACK_ROWS, n)), range(0, n, PACK_ROWS)):
-        pass  # (re-raises a chunk's error)
+    in_parallel(lambda start: pack_rows(start, min(start + PACK_ROWS, n)), range(0, n, PACK_ROWS))
     return out
 
 
