@@ -87,10 +87,7 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         parse_size(self.kv_cache_memory)
-        from minivllm.engine.spec_decode import SpeculativeConfig
-
-        self._speculative = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
-        if self._speculative is not None and self.scheduler == "static":
+        if self.speculative is not None and self.scheduler == "static":
             raise ValueError("speculative_config needs --scheduler continuous (a static batch verifies no drafts)")
         for f in fields(self):
             choices = f.metadata.get("choices")
@@ -99,7 +96,11 @@ class EngineConfig:
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
-        return self._speculative
+        """`speculative_config` parsed and checked (a ValueError names what is wrong); parsed on each
+        call rather than kept, so that `vars(config)` stays the constructor's arguments."""
+        from minivllm.engine.spec_decode import SpeculativeConfig
+
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_device(self) -> "torch.device":

@@ -547,12 +547,12 @@ class LLMEngine:
                 "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
                 **self.spec_decode_stats()}
 
-    def spec_decode_stats(self) -> dict[str, float | None]:
+    def spec_decode_stats(self, since: dict[str, Any] | None = None) -> dict[str, float | None]:
         """Acceptance rate (accepted of the draft tokens verified) and mean accepted length (tokens a
-        verify step yields: the accepted ones plus the one sampled after them), as vLLM reports them."""
-        s = self.stats
-        drafts, tokens, accepted = (s["spec_decode_num_drafts"], s["spec_decode_num_draft_tokens"],
-                                    s["spec_decode_num_accepted_tokens"])
+        verify step yields: the accepted ones plus the one sampled after them), as vLLM reports them;
+        over the steps after the `stats` snapshot `since`, if given."""
+        drafts, tokens, accepted = (self.stats[k] - (since or {}).get(k, 0) for k in (
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
         return {"spec_acceptance_rate": accepted / tokens if tokens else None,
                 "spec_mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
