@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from minivllm.engine.sequence import Sequence
@@ -132,23 +132,30 @@ class Proposer(Protocol):
         """`seq` has ended: drop its state (and learn from its output)."""
 
 
+@dataclass
+class _NgramIndex:
+    """One request's n-grams -> where their latest occurrence ends, over its first `num_indexed` tokens."""
+
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    num_indexed: int = 0
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        # Per request: n-gram -> where its latest occurrence ends, and how far token_ids are indexed.
-        self._index: dict[str, tuple[dict[tuple[int, ...], int], list[int]]] = {}
+        self._index: dict[str, _NgramIndex] = {}  # per live request, grown with its tokens
 
     def propose(self, seq: Sequence, max_len: int) -> list[int]:
         tokens = seq.token_ids
-        index, done = self._index.setdefault(seq.request_id, ({}, [0]))
+        index = self._index.setdefault(seq.request_id, _NgramIndex())
         # Index every n-gram that ends before the last token, so that a lookup of the text's own
         # suffix finds an earlier occurrence (never itself) and has at least one token after it.
-        for end in range(max(done[0], 1), len(tokens)):
+        for end in range(max(index.num_indexed, 1), len(tokens)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                index[tuple(tokens[end - n:end])] = end
-        done[0] = max(done[0], len(tokens))
+                index.ends[tuple(tokens[end - n:end])] = end
+        index.num_indexed = max(index.num_indexed, len(tokens))
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            end = index.get(tuple(tokens[-n:]))
+            end = index.ends.get(tuple(tokens[-n:]))
             if end is not None:
                 return tokens[end:end + max_len]
         return []
@@ -166,6 +173,7 @@ class _ContextTable:
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self.next: dict[int, dict[int, int]] = {}
+        self.num_added = 0  # for a request's own table: how many of its tokens are counted
 
     def contexts(self, tokens: list[int], end: int) -> list[int]:
         """Keys of the contexts tokens[end - d:end], d = 1..depth (fewer near the start)."""
@@ -218,13 +226,13 @@ class SuffixProposer:
         # Their texts and where each output starts, oldest first (keyed by arrival: ids may repeat).
         self._cached: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
         self._num_finished = 0
-        self._local: dict[str, tuple[_ContextTable, list[int]]] = {}  # per live request: its own text
+        self._local: dict[str, _ContextTable] = {}  # per live request: its own prompt and output
 
     def propose(self, seq: Sequence, max_len: int) -> list[int]:
         c = self.config
-        table, done = self._local.setdefault(seq.request_id, (_ContextTable(self.depth), [0]))
-        table.add(seq.token_ids, done[0], len(seq.token_ids))
-        done[0] = len(seq.token_ids)
+        table = self._local.setdefault(seq.request_id, _ContextTable(self.depth))
+        table.add(seq.token_ids, table.num_added, len(seq.token_ids))
+        table.num_added = len(seq.token_ids)
         args = (max_len, c.suffix_decoding_max_spec_factor, c.suffix_decoding_min_token_prob)
         own, own_score = table.draft(seq.token_ids, *args)
         other, other_score = self.shared.draft(seq.token_ids, *args)
