@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from minivllm.engine.spec_decode import SpeculativeConfig
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # vLLM's names (fp8 = fp8_e4m3); int8 is ours
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
                "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
@@ -66,6 +68,9 @@ class EngineConfig:
     seed: int = _flag("seed of unseeded random sampling", 0)
     tensor_parallel_size: int = _flag("ranks that split every layer (torch.distributed: gloo on CPU, NCCL on "
                                       "CUDA); workers are spawned here, or started by torchrun", 1)
+    speculative_config: str | dict | None = _flag(
+        'draftless speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "suffix", ...}', None)
     trace_file: str | None = _flag("write a per-step CSV trace here (and a Chrome trace .json beside it)", None)
 
     def __post_init__(self) -> None:
@@ -82,10 +87,20 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         parse_size(self.kv_cache_memory)
+        if self.speculative is not None and self.scheduler == "static":
+            raise ValueError("speculative_config needs --scheduler continuous (a static batch verifies no drafts)")
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed and checked (a ValueError names what is wrong); parsed on each
+        call rather than kept, so that `vars(config)` stays the constructor's arguments."""
+        from minivllm.engine.spec_decode import SpeculativeConfig
+
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_device(self) -> "torch.device":

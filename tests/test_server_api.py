@@ -62,7 +62,7 @@ SCHEMAS = [
 
 def test_twenty_schemas_streamed_and_not_beside_unconstrained_requests(server: ServerProcess, model_name: str) -> None:
     async def constrained(client: openai.AsyncOpenAI, i: int, schema: dict) -> str:
-        kwargs = dict(model=model_name, max_tokens=120, temperature=0.7, seed=i,
+        kwargs = dict(model=model_name, max_tokens=120, temperature=0.7, seed=1000 + i,
                       messages=[{"role": "user", "content": f"Answer in JSON: example number {i}."}],
                       response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
         if i % 2:

@@ -76,7 +76,7 @@ def cmd_latency(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.bench.metrics import parse_goodput, serving_metrics
     from minivllm.bench.report import serving_text
-    from minivllm.bench.serve import ServeTarget, prefix_cache_counts, run_benchmark, served_model
+    from minivllm.bench.serve import ServeTarget, counter_ratio, counter_totals, run_benchmark, served_model
 
     slos = parse_goodput(args.goodput or [])
     percentiles = [int(p) if p.is_integer() else p for p in map(float, args.metric_percentiles.split(","))]
@@ -89,21 +89,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
     requests = with_arrivals(build_workload(spec, tokenizer, rng), args.request_rate, args.burstiness, rng)
     print(f"Traffic request rate: {args.request_rate}, burstiness: {args.burstiness}, "
           f"max concurrency: {args.max_concurrency}", flush=True)
-    before = prefix_cache_counts(base_url)
+    before = counter_totals(base_url)
     records, duration = asyncio.run(run_benchmark(target, requests, tokenizer, args.max_concurrency,
                                                   not args.disable_tqdm))
-    after = prefix_cache_counts(base_url)
+    after = counter_totals(base_url)
     metrics = serving_metrics(records, duration, percentiles, slos)
     print(serving_text(metrics))
-    prefix_hit_rate = None
-    if before is not None and after is not None and after[1] > before[1]:
-        prefix_hit_rate = (after[0] - before[0]) / (after[1] - before[1])
+    prefix_hit_rate = counter_ratio(before, after, "prefix_cache_hits", "prefix_cache_queries")
+    if prefix_hit_rate is not None:
         print(f"Prefix cache hit rate (server side, prompt tokens, all replicas): {prefix_hit_rate:.1%}")
+    spec = {"spec_acceptance_rate": counter_ratio(before, after, "spec_decode_num_accepted_tokens",
+                                                  "spec_decode_num_draft_tokens"),
+            "spec_mean_accepted_length": counter_ratio(before, after, "spec_decode_num_accepted_tokens",
+                                                       "spec_decode_num_drafts")}
+    if spec["spec_mean_accepted_length"] is not None:
+        spec["spec_mean_accepted_length"] += 1  # the token sampled after the accepted ones
+        print(f"Speculative decoding (server side): acceptance rate {spec['spec_acceptance_rate']:.1%}, "
+              f"mean accepted length {spec['spec_mean_accepted_length']:.2f}")
     for r in records:
         if not r.success:
             print(f"failed request: {r.error}", file=sys.stderr)
     write_json(args.output_json, {"workload": spec, "base_url": base_url, "model": target.model, "goodput": slos,
-                                  "metrics": asdict(metrics), "prefix_cache_hit_rate": prefix_hit_rate, "requests": requests_as_dicts(requests),
+                                  "metrics": asdict(metrics), "prefix_cache_hit_rate": prefix_hit_rate, **spec,
+                                  "requests": requests_as_dicts(requests),
                                   "records": [asdict(r) for r in records]})
 
 

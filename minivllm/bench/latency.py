@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from minivllm.bench.compare import warm_up
+from minivllm.bench.throughput import same_outputs, spec_text
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
@@ -30,6 +31,11 @@ class LatencyResult:
     prefill_seconds: list[float]  # per iteration: until every sequence has its first token
     weight_bytes_held: int  # the model's weights as held in memory (packed quantized weights at their size)
     peak_rss_bytes: int  # of this process, at the end
+    # Speculative decoding: over the measured iterations; greedy_exact: the last batch's outputs equal a
+    # non-speculative run's (None: not speculative)
+    spec_acceptance_rate: float | None = None
+    spec_mean_accepted_length: float | None = None
+    greedy_exact: bool | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -45,7 +51,9 @@ class LatencyResult:
                 f"({self.batch_size * 1000 / self.decode_step_ms:.1f} output tokens/s), mean of "
                 f"{self.decode_steps} steps\nDecode step time: "
                 + ", ".join(f"{k} {v:.1%}" for k, v in self.step_time_shares.items())
-                + f"\nWeights held: {self.weight_bytes_held / 1e6:.0f} MB; peak RSS {self.peak_rss_bytes / 1e6:.0f} MB")
+                + f"\nWeights held: {self.weight_bytes_held / 1e6:.0f} MB; peak RSS {self.peak_rss_bytes / 1e6:.0f} MB"
+                + ("" if self.greedy_exact is None else spec_text(self.spec_acceptance_rate,
+                                                                   self.spec_mean_accepted_length, self.greedy_exact)))
 
 
 def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_len: int,
@@ -56,6 +64,7 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     latencies, prefills, decode_seconds, decode_steps = [], [], 0.0, 0
     group = getattr(engine.runner, "group", None)  # tensor parallel: rank 0's TensorParallelGroup
+    stats_before, outputs = dict(engine.stats), {}
     for i in range(num_iters_warmup + num_iters):
         # Random token ids, fresh each iteration so that the prefix cache cannot serve them.
         prompts = rng.integers(1000, engine.model_config.vocab_size - 1000, size=(batch_size, input_len)).tolist()
@@ -63,8 +72,14 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
             engine.add_request(f"latency-{i}-{j}", prompt, params)
         start, started = time.perf_counter(), set()
         while len(started) < batch_size:  # prefill: until every request has its first token
-            started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+            for o in engine.step():
+                if o.outputs[0].token_ids:
+                    started.add(o.request_id)
+                if o.finished:
+                    outputs[o.request_id] = o
         measured = i >= num_iters_warmup
+        if measured and i == num_iters_warmup:
+            stats_before = dict(engine.stats)
         if measured:
             engine.reset_step_time()
             if group is not None:
@@ -73,7 +88,7 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
         if measured:
             prefills.append(decode_start - start)
         while engine.has_unfinished_requests():
-            engine.step()
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
             steps += 1
         if measured:
             latencies.append(time.perf_counter() - start)
@@ -87,9 +102,14 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
     model = getattr(engine.runner, "model", None)  # tensor parallel: rank 0 holds its shard only
     held = weight_bytes_held(model) if model is not None else 0
     engine.close()
-    return LatencyResult(batch_size, input_len, output_len, latencies,
-                         1000 * decode_seconds / max(decode_steps, 1), decode_steps, shares, prefills, held,
-                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    result = LatencyResult(batch_size, input_len, output_len, latencies,
+                           1000 * decode_seconds / max(decode_steps, 1), decode_steps, shares, prefills, held,
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if config.speculative is not None:
+        last = [outputs[f"latency-{i}-{j}"] for j in range(batch_size)]
+        result = replace(result, **engine.spec_decode_stats(since=stats_before), greedy_exact=same_outputs(
+            config, [o.prompt_token_ids for o in last], [params] * batch_size, last))
+    return result
 
 
 def weight_bytes_held(model) -> int:

@@ -43,22 +43,27 @@ def served_model(base_url: str, api_key: str | None) -> str:
         raise ValueError(f"cannot list the models of {base_url} ({e}); pass --served-model-name") from None
 
 
-def prefix_cache_counts(base_url: str) -> tuple[float, float] | None:
-    """(hits, queries) in prompt tokens, summed over every sample of /metrics: one server's, or a
-    router's replicas'; None where the server exports no such counters."""
+def counter_totals(base_url: str) -> dict[str, float] | None:
+    """Every minivllm counter of /metrics (prefix cache, speculative decoding, ...), by name without the
+    prefix, summed over its samples: one server's, or a router's replicas'; None where there is none."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=30).text
     except httpx.HTTPError:
         return None
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in ("minivllm:prefix_cache_hits", "minivllm:prefix_cache_queries"):
-            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
-    if len(totals) < 2:
+    totals = {family.name.removeprefix("minivllm:"): sum(s.value for s in family.samples if s.name.endswith("_total"))
+              for family in text_string_to_metric_families(text)
+              if family.name.startswith("minivllm:") and family.type == "counter"}
+    return totals or None
+
+
+def counter_ratio(before: dict | None, after: dict | None, numerator: str, denominator: str) -> float | None:
+    """What the run added to `numerator` over what it added to `denominator` (None: no such counters)."""
+    if not before or not after or numerator not in after or denominator not in after:
         return None
-    return totals["minivllm:prefix_cache_hits"], totals["minivllm:prefix_cache_queries"]
+    added = after[denominator] - before.get(denominator, 0.0)
+    return (after[numerator] - before.get(numerator, 0.0)) / added if added > 0 else None
 
 
 def _payload(target: ServeTarget, req: BenchRequest, max_tokens: int) -> dict:

@@ -37,6 +37,11 @@ class ThroughputResult:
     mean_ttft_ms: float | None = None  # minivllm only: all requests arrive at once, so queueing counts
     num_structured: int = 0  # requests constrained by a JSON schema (--structured-output-ratio)
     structured_output_tokens: int = 0
+    # Speculative decoding (--speculative-config): acceptance, and whether every output equalled a
+    # non-speculative run's, token for token (checked after the timed run; None: not speculative)
+    spec_acceptance_rate: float | None = None
+    spec_mean_accepted_length: float | None = None
+    greedy_exact: bool | None = None
 
     @property
     def requests_per_s(self) -> float:
@@ -67,8 +72,26 @@ class ThroughputResult:
                 + ("" if self.mean_ttft_ms is None else f"; mean TTFT {self.mean_ttft_ms:.0f} ms")
                 + ("" if not self.num_structured else f"\n{self.num_structured} requests constrained by a JSON "
                    f"schema ({self.structured_output_tokens} of the output tokens)")
+                + ("" if self.greedy_exact is None else spec_text(self.spec_acceptance_rate,
+                                                                   self.spec_mean_accepted_length, self.greedy_exact))
                 + ("" if not self.step_time_shares else "\nStep time: " + ", ".join(
                     f"{k} {v:.1%}" for k, v in self.step_time_shares.items())))
+
+
+def spec_text(acceptance_rate: float | None, mean_accepted_length: float | None, greedy_exact: bool) -> str:
+    rate = "no drafts" if acceptance_rate is None else (
+        f"acceptance rate {acceptance_rate:.1%}, mean accepted length {mean_accepted_length:.2f}")
+    return (f"\nSpeculative decoding: {rate}; outputs {'equal' if greedy_exact else 'NOT equal'} to a "
+            "non-speculative run's")
+
+
+def same_outputs(config: EngineConfig, prompts: list, params: list[SamplingParams], outs: list) -> bool:
+    """Whether a non-speculative engine gives these requests the same tokens as `outs` (greedy or seeded
+    requests: speculative decoding promises equality where the kernels are batch-invariant)."""
+    plain = LLM(**{**vars(config), "speculative_config": None})
+    reference = plain.generate(prompts, params, use_tqdm=False)
+    plain.engine.close()
+    return all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, reference))
 
 
 def peak_rss_gib() -> float:
@@ -92,14 +115,20 @@ def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True, s
         llm.engine.structured_output.compile(StructuredOutputsParams(json=BENCH_SCHEMA)).result()
     warm_up(llm.engine)
     llm.engine.reset_step_time()  # measure the workload alone
+    before = dict(llm.engine.stats)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=show_progress)
+    outs = llm.generate(prompts, params, use_tqdm=show_progress)
     elapsed = time.perf_counter() - start
     structured = [o for o, p in zip(outs, params) if p.structured_outputs is not None]
     result = ThroughputResult("minivllm", len(outs), elapsed, sum(len(o.prompt_token_ids) for o in outs),
                               sum(len(o.outputs[0].token_ids) for o in outs), peak_rss_gib(),
                               llm.engine.step_time_breakdown(), 1000 * float(np.mean([o.metrics.ttft for o in outs])),
                               len(structured), sum(len(o.outputs[0].token_ids) for o in structured))
+    if config.speculative is not None:
+        spec = llm.engine.spec_decode_stats(since=before)
+        llm.engine.close()
+        result = replace(result, **spec, greedy_exact=same_outputs(config, prompts, params, outs))
     return result, requests, llm.engine.model_config
 
 

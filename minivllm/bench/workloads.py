@@ -19,7 +19,7 @@ from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_pa
 from minivllm.model.tokenizer import Tokenizer, get_tokenizer
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
-DATASETS = ("fixed", "random", "shared-prefix", "jsonl")
+DATASETS = ("fixed", "random", "shared-prefix", "grounded", "jsonl")
 # The project's reference workload (issues 2, 5 and 6): `--dataset fixed`.
 FIXED = {"num_prompts": 64, "seed": 0, "input_len_range": (16, 512), "output_len_range": (8, 256)}
 DEFAULT_NUM_PROMPTS = 64
@@ -174,6 +174,94 @@ def jsonl_requests(path: str, tokenizer: Tokenizer, n: int | None, default_outpu
     return requests[:n] if n else requests
 
 
+# -- grounded: chat requests whose answer is mostly in their input (speculative decoding's home) ---------
+# Functions of CPython's own pure-Python standard library: real code, shipped with the interpreter.
+GROUNDED_FUNCTIONS = ("textwrap:dedent", "textwrap:indent", "shlex:split", "shlex:quote", "heapq:nsmallest",
+                      "difflib:get_close_matches", "statistics:median", "statistics:mode", "colorsys:rgb_to_hsv",
+                      "colorsys:hls_to_rgb", "base64:b64encode", "string:capwords", "fnmatch:filter",
+                      "calendar:monthrange", "textwrap:shorten", "statistics:fmean")
+GROUNDED_TASKS = ("rename", "bug-fix", "quote", "multi-turn")
+_BUGS = {"<=": "<", ">=": ">", "==": "!=", "!=": "==", " + 1": " - 1", " - 1": " + 1", " and ": " or "}
+_NEW_NAMES = ("value", "item", "result", "count", "buffer", "current", "total", "entry")
+
+
+@functools.lru_cache(maxsize=1)
+def grounded_sources() -> list[str]:
+    import importlib
+    import inspect
+
+    sources = []
+    for name in GROUNDED_FUNCTIONS:
+        module, function = name.split(":")
+        try:
+            sources.append(inspect.getsource(getattr(importlib.import_module(module), function)))
+        except (ImportError, AttributeError, OSError, TypeError):  # another Python may lack one
+            continue
+    return sources
+
+
+def _rename(source: str, rng: np.random.Generator) -> tuple[str, str, str]:
+    """(old name, new name, source with it renamed): a parameter or local variable of the function."""
+    import ast
+    import re
+
+    tree = ast.parse(source).body[0]
+    names = sorted({a.arg for a in tree.args.args} | {n.id for n in ast.walk(tree)
+                                                       if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)})
+    old = names[int(rng.integers(len(names)))]
+    new = next(n for n in (_NEW_NAMES[int(rng.integers(len(_NEW_NAMES)))], *_NEW_NAMES, "renamed") if n not in names)
+    return old, new, re.sub(rf"(?<![.\w]){old}\b", new, source)
+
+
+def _with_bug(source: str, rng: np.random.Generator) -> str:
+    """`source` with one operator flipped (a comparison, an off-by-one, a boolean), or as it is if none."""
+    found = [op for op in _BUGS if op in source]
+    if not found:
+        return source
+    op = found[int(rng.integers(len(found)))]
+    parts = source.split(op)
+    at = int(rng.integers(len(parts) - 1))
+    return op.join(parts[:at + 1]) + _BUGS[op] + op.join(parts[at + 1:])
+
+
+def grounded_conversation(task: str, corpus: TextCorpus, rng: np.random.Generator) -> tuple[list[dict], str]:
+    """One chat request of kind `task`, and the answer it asks for (whose length sets its output_len)."""
+    sources = grounded_sources()
+    source = sources[int(rng.integers(len(sources)))]
+    if task == "rename":
+        old, new, renamed = _rename(source, rng)
+        return [{"role": "user", "content": f"Rename `{old}` to `{new}` in this function. Reply with the whole "
+                                            f"function and nothing else.\n\n```python\n{source}```"}], renamed
+    if task == "bug-fix":
+        return [{"role": "user", "content": "This function has a bug. Fix it and reply with the whole corrected "
+                                            f"function.\n\n```python\n{_with_bug(source, rng)}```"}], source
+    if task == "quote":
+        text, _ = corpus.window(int(rng.integers(200, 400)), rng)
+        return [{"role": "user", "content": "Summarize this text for a colleague. Quote its key sentences word "
+                                            f"for word.\n\n{text}"}], text[:len(text) // 2]
+    old, new, renamed = _rename(source, rng)  # multi-turn: a second edit of the file the first one returned
+    old2, new2, renamed2 = _rename(renamed, rng)
+    return [{"role": "user", "content": f"Rename `{old}` to `{new}` in this function. Reply with the whole "
+                                        f"function.\n\n```python\n{source}```"},
+            {"role": "assistant", "content": f"```python\n{renamed}```"},
+            {"role": "user", "content": f"Thanks. Now rename `{old2}` to `{new2}` as well, and reply with the whole "
+                                        "function again."}], renamed2
+
+
+def grounded_requests(corpus: TextCorpus, n: int, rng: np.random.Generator) -> list[BenchRequest]:
+    """Input-grounded chat requests, the kinds in turn (code edits of a given function, bug fixes, quoting
+    summaries, multi-turn edits of the same function); each may write as many tokens as its answer has,
+    plus a little, as the prompt (with the model's chat template) asks for it."""
+    tok, requests = corpus.tokenizer, []
+    for i in range(n):
+        messages, answer = grounded_conversation(GROUNDED_TASKS[i % len(GROUNDED_TASKS)], corpus, rng)
+        prompt = tok.apply_chat_template(messages)
+        output_len = len(tok.encode(answer, add_special_tokens=False)) + 16
+        requests.append(BenchRequest(str(i), prompt, tok.encode(prompt), output_len,
+                                     kind=GROUNDED_TASKS[i % len(GROUNDED_TASKS)]))
+    return requests
+
+
 def mixed_requests(corpus: TextCorpus, n: int, long_fraction: float, short_input: tuple[int, int],
                    short_output: tuple[int, int], long_input: tuple[int, int], long_output: tuple[int, int],
                    rng: np.random.Generator) -> list[BenchRequest]:
@@ -211,7 +299,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", choices=DATASETS, default="fixed",
                    help="fixed: the reference workload (64 prompts, seed 0, prompts of 16..512 and outputs of "
                         "8..256 tokens, greedy, ignore_eos); random: lengths from the flags below; "
-                        "shared-prefix: prompts that share --prefix-len tokens; jsonl: --dataset-path")
+                        "shared-prefix: prompts that share --prefix-len tokens; grounded: chat requests whose "
+                        "answer is mostly in their input (function edits, bug fixes, quoting summaries, "
+                        "multi-turn edits; output lengths from the answers); jsonl: --dataset-path")
     g.add_argument("--dataset-path", default=None, help='JSONL file, one {"prompt": ..., "output_len": ...} a line')
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"number of requests (default: {DEFAULT_NUM_PROMPTS}; the whole file for jsonl)")
@@ -239,6 +329,8 @@ def workload_spec(args: argparse.Namespace) -> dict:
             raise ValueError("--dataset jsonl needs --dataset-path")
         spec.update(dataset_path=args.dataset_path, num_prompts=args.num_prompts, output_len=args.output_len)
         return spec
+    if args.dataset == "grounded":  # lengths come from the requests themselves
+        return spec
     if fixed:
         spec.update(input_len_range=FIXED["input_len_range"], output_len_range=FIXED["output_len_range"])
     else:
@@ -253,6 +345,8 @@ def build_workload(spec: dict, tokenizer: Tokenizer, rng: np.random.Generator) -
     if spec["dataset"] == "jsonl":
         return jsonl_requests(spec["dataset_path"], tokenizer, spec["num_prompts"], spec["output_len"])
     corpus = TextCorpus(tokenizer)
+    if spec["dataset"] == "grounded":
+        return grounded_requests(corpus, spec["num_prompts"], rng)
     n, inputs, outputs = spec["num_prompts"], spec["input_len_range"], spec["output_len_range"]
     if spec["dataset"] == "shared-prefix":
         return shared_prefix_requests(corpus, n, spec["prefix_len"], spec["num_prefixes"], inputs, outputs, rng)

@@ -80,7 +80,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
+        # Accepted draft tokens are computed before the engine appends them: blocks wait for their tokens.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_cached_blocks, num_full):
             block_id = seq.block_table[i]
@@ -132,6 +133,17 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._pop_free())
         return True
+
+    def free_tail(self, seq: Sequence) -> None:
+        """Free the blocks past those that `seq`'s computed tokens fill (after rejected draft tokens
+        were rolled back). They were taken for this step's draft alone: never shared, never cached."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            assert self.ref_counts[block_id] == 1 and self.block_hash[block_id] is None
+            self.ref_counts[block_id] = 0
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)  # nothing worth keeping: reuse it first
+        del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so that a prefix outlives its own continuation in the LRU order.

@@ -3,6 +3,8 @@
     add_request -> Sequence(WAITING)
     step(): Scheduler.schedule -> ModelRunner.execute -> Sampler -> update (append, detokenize,
             check stops, free the blocks of finished sequences) -> RequestOutputs
+            [-> with speculative decoding: verify the drafts, roll back the rejected tokens' K/V,
+             propose the next drafts]
 
 What it computes with (`ModelParts`) and its clock are injected: by default the loaded model and
 `time.perf_counter`; the simulator (bench/simulate.py) passes a cost model and a virtual clock, and
@@ -29,6 +31,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.policies import POLICIES
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput, prompt_logprob_positions, will_sample
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.spec_decode import PROPOSERS, DraftPrefix
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
@@ -144,6 +147,12 @@ class LLMEngine:
                                                max_model_len=self.max_model_len)
                           if static else Scheduler(config, self.block_manager, policy, clock=clock))
         self.requests: dict[str, Sequence] = {}  # unfinished requests
+        spec = config.speculative
+        self.proposer = PROPOSERS[spec.method](spec) if spec else None
+        if spec and not getattr(self.runner, "batch_invariant", False):
+            logger.warning("speculative decoding is not exact here: the torch kernels (no compiler, CUDA or "
+                           "MINIVLLM_NO_KERNELS) are not batch-invariant, so a verified chunk's logits may differ "
+                           "by rounding from a plain decode's and a greedy output from the non-speculative one")
         self._structured_output: StructuredOutputManager | None = None  # made on first use
         self._structured_output_lock = threading.Lock()
         self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
@@ -156,7 +165,10 @@ class LLMEngine:
         # and the forward pass (runner.prepare_time).
         self.step_time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "update": 0.0}
         self.stats = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "padding_tokens": 0,
-                      "finished_requests": 0}
+                      "finished_requests": 0,
+                      # vLLM's: drafts verified, their tokens, and of those the ones accepted
+                      "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                      "spec_decode_num_accepted_tokens": 0}
 
     def _max_model_len(self, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
@@ -276,6 +288,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         seq.grammar = seq.grammar_future = None  # release the parse state
+        if self.proposer:
+            self.proposer.on_finish(seq)
 
     def _start_grammars(self) -> None:
         """Give each request whose grammar has compiled its parse state, so that it can be scheduled;
@@ -312,18 +326,30 @@ class LLMEngine:
         t_scheduled = self.clock()
         # A decode always samples; a prefill chunk does once it completes the prompt.
         sampling = [s for (s, n), decode in zip(sched.scheduled, sched.decode_flags) if decode or will_sample(s, n)]
+        drafts = sched.scheduled_spec_decode_tokens
+        rows = self._sampling_rows(sampling, drafts) if drafts else sampling
         logits = self.runner.execute(sched)
         t_forward = self.clock()
-        if logits is not None and logits.shape[0] > len(sampling):  # rows past the sampling ones: prompt_logprobs
-            self._score_prompts(sched, logits[len(sampling):])
-            logits = logits[:len(sampling)]
-        sampled = self.sampler(logits, sampling) if sampling else None
+        if logits is not None and logits.shape[0] > len(rows):  # rows past the sampling ones: prompt_logprobs
+            self._score_prompts(sched, logits[len(rows):])
+            logits = logits[:len(rows)]
+        sampled = self.sampler(logits, rows) if sampling else None
         t_sampled = self.clock()
-        self.scheduler.on_step_done(sched)
-        if sampling:
-            for seq, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
-                self._append(seq, token, logprobs, t_sampled)
-            self.stats["generation_tokens"] += len(sampling)
+        new_tokens, rejected = [], None
+        if drafts:
+            new_tokens, rejected = self._verify(sampling, drafts, sampled.token_ids, sampled.logprobs)
+        elif sampling:
+            new_tokens = [(s, [t], [lp]) for s, t, lp in zip(sampling, sampled.token_ids, sampled.logprobs)]
+        self.scheduler.on_step_done(sched, rejected)
+        for seq, tokens, logprobs in new_tokens:
+            for token, lp in zip(tokens, logprobs):
+                self._append(seq, token, lp, t_sampled)
+                self.stats["generation_tokens"] += 1
+                if seq.is_finished:  # at EOS, a stop token or string, or a length limit: the rest is dropped
+                    break
+        if self.proposer:
+            self._propose(sampling)
+            self.scheduler.step_cost.observe(sched.num_scheduled_tokens, self.clock() - t_scheduled)
         finished = [s for s in sampling if s.status is SequenceStatus.FINISHED]
         self._count(sched, t_start, finished)
         final_only = RequestOutputKind.FINAL_ONLY
@@ -335,6 +361,52 @@ class LLMEngine:
         times["sample"] += t_sampled - t_forward
         times["update"] += self.clock() - t_sampled
         return outputs
+
+    # -- speculative decoding ---------------------------------------------------------------------------
+    @staticmethod
+    def _sampling_rows(sampling: list[Sequence], drafts: dict[str, list[int]]) -> list[Sequence | DraftPrefix]:
+        """The sampler's rows, as the runner's logits come: per sequence its own, then one per draft token."""
+        rows: list[Sequence | DraftPrefix] = []
+        for seq in sampling:
+            rows.append(seq)
+            draft = drafts.get(seq.request_id, ())
+            rows.extend(DraftPrefix(seq, draft[:j]) for j in range(1, len(draft) + 1))
+        return rows
+
+    def _verify(self, sampling: list[Sequence], drafts: dict[str, list[int]], tokens: list[int],
+                logprobs: list) -> tuple[list[tuple[Sequence, list[int], list]], dict[str, int]]:
+        """Per sequence, the tokens it gets: the sampled ones up to and including the first that differs
+        from its draft (a draft token is accepted iff it is what the target sampled there, so the
+        tokens are those plain decoding would give); and per request the draft tokens rejected."""
+        new_tokens, rejected, row, stats = [], {}, 0, self.stats
+        for seq in sampling:
+            draft = drafts.get(seq.request_id, [])
+            sampled = tokens[row:row + len(draft) + 1]
+            accepted = 0
+            while accepted < len(draft) and sampled[accepted] == draft[accepted]:
+                accepted += 1
+            new_tokens.append((seq, sampled[:accepted + 1], logprobs[row:row + accepted + 1]))
+            row += len(draft) + 1
+            if draft:
+                rejected[seq.request_id] = len(draft) - accepted
+                seq.num_spec_verified += min(accepted + 1, len(draft))
+                seq.num_spec_accepted += accepted
+                stats["spec_decode_num_drafts"] += 1
+                stats["spec_decode_num_draft_tokens"] += len(draft)
+                stats["spec_decode_num_accepted_tokens"] += accepted
+        return new_tokens, rejected
+
+    def _propose(self, sampled: list[Sequence]) -> None:
+        """Draft the next tokens of each sequence that just sampled, as long as the scheduler says pays,
+        and never past max_tokens or max_model_len (every draft token accepted, plus the bonus one)."""
+        for seq in sampled:
+            k = 0 if seq.is_finished else self.scheduler.draft_length(seq)
+            if k:
+                room = self.max_model_len - seq.num_tokens
+                if seq.params.max_tokens is not None:
+                    room = min(room, seq.params.max_tokens - seq.num_output_tokens)
+                k = min(k, room - 1)
+            seq.spec_token_ids = self.proposer.propose(seq, k) if k > 0 else []
 
     @staticmethod
     def _score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> None:
@@ -476,7 +548,17 @@ class LLMEngine:
                 "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_cache_usage": bm.usage,
-                "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits}
+                "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
+                **self.spec_decode_stats()}
+
+    def spec_decode_stats(self, since: dict[str, Any] | None = None) -> dict[str, float | None]:
+        """Acceptance rate (accepted of the draft tokens verified) and mean accepted length (tokens a
+        verify step yields: the accepted ones plus the one sampled after them), as vLLM reports them;
+        over the steps after the `stats` snapshot `since`, if given."""
+        drafts, tokens, accepted = (self.stats[k] - (since or {}).get(k, 0) for k in (
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+        return {"spec_acceptance_rate": accepted / tokens if tokens else None,
+                "spec_mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
     @property
     def device_name(self) -> str:

@@ -4,7 +4,10 @@ Budgets: tokens per step (`max_num_batched_tokens`), running sequences (`max_num
 KV-cache blocks. One rule covers prefill and decode: a scheduled sequence gets `num_new_tokens` =
 what it still lacks (`num_tokens - num_computed_tokens`), cut to the budget left. A decode is the
 case where that is 1. The policy (policies.py) decides the order of the waiting queue and the
-preemption victims; this file decides how budgets are spent.
+preemption victims; this file decides how budgets are spent, draft tokens included: with speculative
+decoding a decode may carry the draft proposed for it (spec_decode.py), verified in the same step as
+a chunk of 1 + k tokens, when the budget and the blocks allow and when drafting pays at this batch
+size and the request's acceptance rate (`draft_length`). Drafts never preempt anyone.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.policies import SchedulingPolicy
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.spec_decode import StepCostModel, draft_length
 
 
 @dataclass
@@ -26,14 +30,22 @@ class SchedulerOutput:
     # Tokens computed for nothing: static batching's prompt padding and its finished members' slots.
     num_padding_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
+    # request_id -> the draft tokens its decode verifies this step (vLLM v1's name); they are the last
+    # of the sequence's num_new_tokens, after its one uncomputed token.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.scheduled_spec_decode_tokens.values()))
+
+    @property
     def num_decode_tokens(self) -> int:
-        return sum(self.decode_flags)
+        """Decodes and the draft tokens they verify."""
+        return sum(self.decode_flags) + self.num_draft_tokens
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -45,8 +57,9 @@ def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
 
 
 def will_sample(seq: Sequence, num_new_tokens: int) -> bool:
-    """A sequence samples once the step computes its last token."""
-    return seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
+    """A sequence samples once the step computes its last token (past it: the draft tokens it verifies,
+    each of which samples too)."""
+    return seq.num_computed_tokens + num_new_tokens >= len(seq.token_ids)
 
 
 def prompt_logprob_positions(seq: Sequence, num_new_tokens: int) -> range:
@@ -101,12 +114,18 @@ class SchedulerBase:
         seq.metrics.finished_time = self.clock()
         self.policy.on_finish(seq)
 
-    def on_step_done(self, output: SchedulerOutput) -> None:
-        """The runner has written K/V for every scheduled token."""
+    def on_step_done(self, output: SchedulerOutput, num_rejected: dict[str, int] | None = None) -> None:
+        """The runner has written K/V for every scheduled token; `num_rejected` (request_id -> count)
+        says how many draft tokens at the end of a sequence's chunk were rejected. Their K/V is rolled
+        back: they no longer count as computed, and blocks that hold only them are freed (never cached:
+        only blocks full of computed tokens are)."""
         bm = self.block_manager
         caching, block_size = bm.enable_prefix_caching, bm.block_size
         for seq, n in output.scheduled:
             seq.num_computed_tokens += n
+            if num_rejected and (rejected := num_rejected.get(seq.request_id)):
+                seq.num_computed_tokens -= rejected
+                bm.free_tail(seq)
             # Only when a block has filled (a decode fills one every block_size steps).
             if caching and seq.num_computed_tokens >= (seq.num_cached_blocks + 1) * block_size:
                 bm.cache_full_blocks(seq)
@@ -135,6 +154,7 @@ class SchedulerBase:
                 refund = n
                 del output.scheduled[i]
                 del output.decode_flags[i]
+                output.scheduled_spec_decode_tokens.pop(seq.request_id, None)
                 break
         self.running.remove(seq)
         self.block_manager.free(seq)
@@ -153,6 +173,18 @@ class Scheduler(SchedulerBase):
         self.reserve_blocks = int(self.config.watermark * self.block_manager.num_blocks)
         # Without chunking, a prompt that found no room after the decodes gets the next step first.
         self._prefill_next = False
+        spec = self.config.speculative
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.step_cost = StepCostModel()  # what a step costs; the engine tells it each step's time
+
+    def draft_length(self, seq: Sequence) -> int:
+        """How many tokens to draft for `seq`'s next step (0: none), before the budget's cut: what pays
+        at the current batch size and the request's acceptance rate (spec_decode.draft_length).
+        A structured-output request drafts none (its grammar would have to be advanced through each
+        draft prefix and rolled back)."""
+        if not self.num_speculative_tokens or seq.grammar is not None:
+            return 0
+        return draft_length(seq.spec_acceptance, self.num_speculative_tokens, len(self.running), self.step_cost.knee)
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
@@ -192,6 +224,8 @@ class Scheduler(SchedulerBase):
             num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
             if num_uncomputed == 1:  # _chunk's answer for one token
                 n = 1 if self.budget > 0 else 0
+                if n and seq.spec_token_ids and self._schedule_draft(seq, output):
+                    continue
             else:
                 n = self._chunk(seq, num_uncomputed)
             if n == 0:
@@ -205,6 +239,17 @@ class Scheduler(SchedulerBase):
                 self.num_partial += n < num_uncomputed
                 self.budget -= n
                 self._record(seq, n, output, n == 1 and num_uncomputed == 1 and len(seq.output_token_ids) > 0)
+
+    def _schedule_draft(self, seq: Sequence, output: SchedulerOutput) -> bool:
+        """Schedule `seq`'s decode with as much of its draft as the budget and the free blocks hold;
+        False (nothing scheduled) when none fits, and the decode goes on alone."""
+        k = min(len(seq.spec_token_ids), self.budget - 1)
+        if k <= 0 or not self.block_manager.try_append(seq, 1 + k):
+            return False
+        self.budget -= 1 + k
+        output.scheduled_spec_decode_tokens[seq.request_id] = seq.spec_token_ids[:k]
+        self._record(seq, 1 + k, output, True)
+        return True
 
     def _schedule_waiting(self, output: SchedulerOutput, now: float) -> None:
         if output.preempted:  # memory is short: let the running sequences drain first

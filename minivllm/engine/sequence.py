@@ -41,12 +41,16 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float = 0.0
     detokenizer: Any = None  # the engine's IncrementalDetokenizer
-    generator: Any = None  # the sampler's per-request torch.Generator, when the request has a seed
     # Structured outputs: the grammar compiling (a Future) until the engine turns it into `grammar`
     # (structured_output.Grammar), the request's parse state. Not scheduled while it compiles.
     grammar_future: Any = None
     grammar: Any = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    # Speculative decoding: the draft proposed after the last step (tokens that may follow token_ids),
+    # and this request's record of draft positions verified and accepted (its acceptance rate).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_verified: int = 0
+    num_spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -83,6 +87,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def spec_acceptance(self) -> float:
+        """The chance that a draft token is accepted given the ones before it were: a Beta(1, 1)
+        posterior mean, so that a new request starts at 1/2 and a few rejections soon weigh."""
+        return (self.num_spec_accepted + 1) / (self.num_spec_verified + 2)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

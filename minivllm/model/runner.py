@@ -38,8 +38,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Logits (float32): one row per sequence that samples, in the order of `output.scheduled`, then
-        one row per position that scores a prompt token (`prompt_logprob_positions`), in the same order."""
+        """Logits (float32): one row per sequence that samples, in the order of `output.scheduled` (1 + k
+        rows for one that verifies k draft tokens: its last token's, then each draft token's), then one
+        row per position that scores a prompt token (`prompt_logprob_positions`), in the same order."""
         start = time.perf_counter()
         input_ids, positions, meta, sample_idx = self._prepare(output)
         self.prepare_time += time.perf_counter() - start
@@ -66,10 +67,13 @@ class ModelRunner:
         slots: list[tuple[int, int]] = []
         spans: list[tuple[int, int, int]] = []  # (first row, rows, context of the first query)
         row_of_position_0: dict[int, int] = {}  # id(seq) -> row p - p of its tokens in the packed batch
+        drafts = output.scheduled_spec_decode_tokens
         for seq, n in scheduled:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             spans.append((len(ids), n, start + 1))
             ids.extend(seq.token_ids[start:end])
+            if drafts:  # a verify: the draft tokens follow the sequence's last one, as a chunk
+                ids.extend(drafts.get(seq.request_id, ()))
             pos.extend(range(start, end))
             slots.extend(self._slot(seq, p) for p in range(start, end))
             row_of_position_0[id(seq)] = len(ids) - end
@@ -89,9 +93,10 @@ class ModelRunner:
             meta.decode_mask = decode_mask(span_ctx0[:len(decodes)], max_blocks * self.block_size)
             meta.prefills = [self._prefill_span(seq, first, seq.num_computed_tokens, seq.num_computed_tokens + n)
                              for (seq, n), (first, _, _) in zip(prefills, spans[len(decodes):])]
-        # The last token of each sequence that samples, then the prompt positions that prompt_logprobs scores.
-        sample_idx = [row_of_position_0[id(s)] + s.num_computed_tokens + n - 1
-                      for s, n in output.scheduled if will_sample(s, n)]
+        # The last token (and each draft token) of each sequence that samples, then the prompt positions
+        # that prompt_logprobs scores.
+        sample_idx = [row_of_position_0[id(s)] + p for s, n in output.scheduled if will_sample(s, n)
+                      for p in range(len(s.token_ids) - 1, s.num_computed_tokens + n)]
         sample_idx += [row_of_position_0[id(s)] + p for s, n in output.scheduled for p in prompt_logprob_positions(s, n)]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 meta, torch.tensor(sample_idx, dtype=torch.long, device=dev))

@@ -10,7 +10,13 @@ rows), so a request's tokens never depend on what else is in the batch. Rows tha
 feature skip it, and a batch that uses none skips it entirely.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p.
-A seeded request draws its noise from its own generator, so its tokens do not depend on the batch.
+A seeded request's noise is a function of its seed and the position of the token drawn
+(`noise_seed`), so its tokens depend neither on the batch nor on how many positions a step samples:
+verifying k draft tokens draws what k + 1 plain steps would (speculative decoding stays exact).
+
+A row is a Sequence, or a view of one with draft tokens taken as already output (spec_decode.py):
+the sampler reads `params`, `prompt_token_ids`, `output_token_ids`, `num_output_tokens`,
+`num_tokens`, `eos_token_ids`, `bad_words_token_ids` and `grammar`.
 """
 from __future__ import annotations
 
@@ -37,10 +43,23 @@ def _rows(seqs: list[Sequence], wanted) -> list[int]:
     return [i for i, s in enumerate(seqs) if wanted(s)]
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's noise at one token position: splitmix64 of the pair,
+    so that neighbouring seeds (n > 1 fans out seed, seed + 1, ...) and positions give unrelated draws."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # unseeded requests share it
+        self._keyed = torch.Generator(device=device)  # re-seeded per (seed, position)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
@@ -144,10 +163,8 @@ class Sampler:
             probs = self._top_k_top_p(probs, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
-            if s.params.seed is not None:
-                if s.generator is None:
-                    s.generator = torch.Generator(device=self.device).manual_seed(s.params.seed)
-                noise[i].exponential_(generator=s.generator)
+            if s.params.seed is not None:  # the token drawn here goes to position num_tokens
+                noise[i].exponential_(generator=self._keyed.manual_seed(noise_seed(s.params.seed, s.num_tokens)))
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, _argmax(logits), sampled)
 

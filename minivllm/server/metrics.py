@@ -32,6 +32,10 @@ _COUNTERS = (
     ("num_preemptions", "Sequences preempted for lack of KV-cache blocks.", "num_preemptions"),
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("spec_decode_num_drafts", "Speculative decoding: drafts verified.", "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+     "spec_decode_num_accepted_tokens"),
 )
 
 
