@@ -247,6 +247,16 @@ def test_latency_end_to_end(tmp_path):
     assert 0 < r["decode_step_ms"] * r["decode_steps"] <= sum(r["latencies"]) * 1000
     assert set(r["step_time_shares"]) == {"schedule", "prepare", "forward", "sample", "update"}
     assert sum(r["step_time_shares"].values()) == pytest.approx(1.0)
+    # The prefill is the part of each latency before the decode steps; the default file's weights held
+    # are its tensors (the tied Q8_0 embedding once, norms in the model dtype) within 5 %, and the process
+    # held at least them.
+    assert len(r["prefill_seconds"]) == 2 and r["prefill_tokens_per_s"] == pytest.approx(
+        3 * 20 * 2 / sum(r["prefill_seconds"]))
+    from minivllm.model.gguf_file import GGUFFile
+    from minivllm.model.loader import default_model_path
+
+    file_bytes = sum(t.nbytes for t in GGUFFile(default_model_path()).tensors)
+    assert 0.95 * file_bytes <= r["weight_bytes_held"] <= 1.05 * file_bytes <= r["peak_rss_bytes"]
 
 
 def test_kernels_end_to_end(tmp_path):
@@ -291,6 +301,14 @@ def test_roofline_end_to_end(tmp_path):
     assert f32["weight_bytes"] == 4 * (30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576) + 576 * 49152)
     assert res["read_bandwidth"] > 0
     assert res["batch1_decode_tokens_per_s"]["float32"] == pytest.approx(res["read_bandwidth"] / f32["weight_bytes"])
+    # The file as stored: every tensor but the embedding, which is the tied LM head here, so all of them.
+    from minivllm.model.gguf_file import GGUFFile
+
+    tensors = GGUFFile(res["model"]).tensors
+    assert "output.weight" not in {t.name for t in tensors}
+    assert res["weight_bytes_per_token"] == sum(t.nbytes for t in tensors)
+    assert res["read_bandwidth_gb_s"] == pytest.approx(res["read_bandwidth"] / 1e9)
+    assert res["batch1_bound_tokens_per_s"] == pytest.approx(res["read_bandwidth"] / res["weight_bytes_per_token"])
 
 
 def test_compare_continuous_beats_static(tmp_path):

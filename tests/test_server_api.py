@@ -61,14 +61,16 @@ SCHEMAS = [
 
 
 def test_twenty_schemas_streamed_and_not_beside_unconstrained_requests(server: ServerProcess, model_name: str) -> None:
-    async def constrained(client: openai.AsyncOpenAI, i: int, schema: dict) -> str:
+    async def constrained(client: openai.AsyncOpenAI, i: int, schema: dict) -> tuple[str, str]:
         kwargs = dict(model=model_name, max_tokens=120, temperature=0.7, seed=1000 + i,
                       messages=[{"role": "user", "content": f"Answer in JSON: example number {i}."}],
                       response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
         if i % 2:
-            return (await client.chat.completions.create(**kwargs)).choices[0].message.content
+            choice = (await client.chat.completions.create(**kwargs)).choices[0]
+            return choice.message.content, choice.finish_reason
         stream = await client.chat.completions.create(**kwargs, stream=True)
-        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        chunks = [c.choices[0] async for c in stream if c.choices]
+        return "".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason
 
     async def unconstrained(client: openai.AsyncOpenAI, i: int) -> int:
         out = await client.completions.create(model=model_name, prompt=f"Story {i}:", max_tokens=30,
@@ -81,8 +83,12 @@ def test_twenty_schemas_streamed_and_not_beside_unconstrained_requests(server: S
             return await asyncio.gather(asyncio.gather(*(constrained(client, i, s) for i, s in enumerate(SCHEMAS))),
                                         asyncio.gather(*(unconstrained(client, i) for i in range(4))))
 
-    texts, plain = asyncio.run(main())
-    for schema, text in zip(SCHEMAS, texts):
+    answers, plain = asyncio.run(main())
+    # Sampled at 0.7, a 135M model may write an unbounded integer's digits until max_tokens (the grammar
+    # allows it): such an answer is cut, not wrong. Every finished one must hold its schema.
+    finished = [(schema, text) for schema, (text, reason) in zip(SCHEMAS, answers) if reason == "stop"]
+    assert len(finished) >= len(SCHEMAS) - 2, [reason for _, reason in answers]
+    for schema, text in finished:
         jsonschema.validate(json.loads(text), schema)
     assert plain == [30] * 4
 

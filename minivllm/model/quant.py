@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from minivllm.model.gguf_quants import BLOCK_FORMATS, BlockFormat, Ints, in_parallel, values
+from minivllm.model.gguf_quants import BLOCK_FORMATS, BlockFormat, Ints, dequantize, in_parallel, values
 
 GROUP = 32  # k per activation block (and per 32-k block of every layout)
 PANEL = 16  # csrc/quant_gemm.c: output columns per packed panel
@@ -60,8 +60,6 @@ class QuantizedTensor:
         return self.fmt.split(self.blocks.reshape(-1, self.fmt.type_size))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from minivllm.model.gguf_quants import dequantize
-
         return dequantize(self.blocks.reshape(-1), self.qtype, tuple(self.shape), dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> "QuantizedTensor":
@@ -134,10 +132,6 @@ def scale_bytes(fmt: BlockFormat) -> int:
 
 def superblock_bytes(fmt: BlockFormat) -> int:
     return superblock(fmt) // GROUP * plane_bytes(fmt) + scale_bytes(fmt)
-
-
-def packed_bytes(fmt: BlockFormat, n: int, k: int) -> int:
-    return -(-n // PANEL) * k // superblock(fmt) * superblock_bytes(fmt)
 
 
 def pack(t: QuantizedTensor) -> torch.Tensor:

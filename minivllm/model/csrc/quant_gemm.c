@@ -117,7 +117,7 @@ QUANTIZE_ROWS(bf16, uint16_t)
 
 /* -- decoding: one 32-k block of one panel into u bytes (8 groups of 64, vpdpbusd's order) and float d, m -- */
 
-/* The `bits`-wide fields of a plane (quant.py's layout) as 8 vectors of bytes, groups 0..7. */
+/* The `bits`-wide fields (8, 4 or 2) of a plane (quant.py's layout) as 8 vectors of bytes, groups 0..7. */
 static inline __attribute__((always_inline)) void plane_fields(const uint8_t *p, int bits, __m512i *w) {
     if (bits == 8) {
         for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(p + 64 * g);
@@ -128,29 +128,37 @@ static inline __attribute__((always_inline)) void plane_fields(const uint8_t *p,
             w[t] = _mm512_and_si512(v, mask);
             w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         }
-    } else if (bits == 2) {
+    } else {  /* 2 */
         const __m512i mask = _mm512_set1_epi8(0x03);
         for (int t = 0; t < 2; t++) {
             const __m512i v = _mm512_loadu_si512(p + 64 * t);
             for (int s = 0; s < 4; s++) w[t + 2 * s] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * s), mask);
         }
-    } else {  /* 1: bit g of each byte */
-        const __m512i mask = _mm512_set1_epi8(0x01), v = _mm512_loadu_si512(p);
-        for (int g = 0; g < 8; g++) w[g] = _mm512_and_si512(_mm512_srli_epi16(v, g), mask);
     }
 }
 
-/* Block b (0 .. sb / 32 - 1) of super-block `src` of one panel -> u (512 bytes) and dm (per sub: d[16], m[16]). */
-static inline __attribute__((always_inline)) void decode_block(const Format f, const uint8_t *src, int b,
-                                                               uint8_t *u, float *dm) {
+/* Block b (0 .. sb / 32 - 1) of super-block `src` of one panel -> its u bytes w[8] (groups of 4 k) and per
+ * sub (1 or 2) its d and m, in registers. Every scale is exact in float32 (a float16 times a small integer,
+ * or times a power of 2), so where the values are kept does not change a bit. */
+static inline __attribute__((always_inline)) void decode_regs(const Format f, const uint8_t *src, int b,
+                                                              __m512i *w, __m512 *d, __m512 *m) {
     const int low = low_bits(f.bits), high = f.bits - low;
     const uint8_t *plane = src + b * plane_bytes(&f);
-    __m512i w[8];
     plane_fields(plane, low, w);
-    if (high) {
-        __m512i h[8];
-        plane_fields(plane + 16 * 32 * low / 8, high, h);
-        for (int g = 0; g < 8; g++) w[g] = _mm512_or_si512(w[g], _mm512_slli_epi16(h[g], low));  /* stays in its byte */
+    const uint8_t *upper = plane + 16 * 32 * low / 8;
+    if (high == 1) {  /* bit g of each byte is group g's: a byte mask adds 1 << low (off the shift port) */
+        const __m512i v = _mm512_loadu_si512(upper), add = _mm512_set1_epi8((char)(1 << low));
+        for (int g = 0; g < 8; g++)
+            w[g] = _mm512_mask_add_epi8(w[g], _mm512_test_epi8_mask(v, _mm512_set1_epi8((char)(1 << g))), w[g], add);
+    } else if (high == 2) {  /* Q6_K's bits 4-5: each 2-bit field moved to bits 4-5 by one shift, then masked */
+        const __m512i mask = _mm512_set1_epi8(0x30);
+        for (int t = 0; t < 2; t++) {
+            const __m512i v = _mm512_loadu_si512(upper + 64 * t);
+            w[t] = _mm512_or_si512(w[t], _mm512_and_si512(_mm512_slli_epi16(v, 4), mask));
+            w[t + 2] = _mm512_or_si512(w[t + 2], _mm512_and_si512(_mm512_slli_epi16(v, 2), mask));
+            w[t + 4] = _mm512_or_si512(w[t + 4], _mm512_and_si512(v, mask));
+            w[t + 6] = _mm512_or_si512(w[t + 6], _mm512_and_si512(_mm512_srli_epi16(v, 2), mask));
+        }
     }
     if (f.lut) {  /* IQ4_VALUES + 128 in each 128-bit lane, for vpshufb */
         const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
@@ -158,53 +166,67 @@ static inline __attribute__((always_inline)) void decode_block(const Format f, c
             (char)217, (char)241));
         for (int g = 0; g < 8; g++) w[g] = _mm512_shuffle_epi8(table, w[g]);
     }
-    for (int g = 0; g < 8; g++) _mm512_storeu_si512(u + 64 * g, w[g]);
-
     const uint8_t *scales = src + (f.sb / 32) * plane_bytes(&f);
     const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
     const __m512 dmin = f.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32))) : d0;
     const uint8_t *subs = scales + 32 * (1 + f.has_min);
     const int sub = 32 / f.group, groups = f.sb / f.group;
     for (int h = 0; h < sub; h++) {
-        __m512 d = d0, m;
         if (!f.sub_scales) {
-            m = f.has_min ? dmin : _mm512_mul_ps(d, _mm512_set1_ps((float)-f.offset));
-        } else {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(subs + (b * sub + h) * 16));
-            __m512i sc, mn = _mm512_setzero_si512();
-            if (f.sub_scales == 2) {
-                sc = _mm512_cvtepi8_epi32(raw);
-            } else if (f.sub_scales == 3) {  /* scale | min << 4 */
-                const __m512i both = _mm512_cvtepu8_epi32(raw);
-                sc = _mm512_and_si512(both, _mm512_set1_epi32(0x0F));
-                mn = _mm512_srli_epi32(both, 4);
-            } else {
-                sc = _mm512_cvtepu8_epi32(raw);
-                mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(subs + (groups + b * sub + h) * 16)));
-            }
-            d = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d0);
-            m = f.has_min ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin))
-                          : _mm512_mul_ps(d, _mm512_set1_ps((float)-f.offset));
+            d[h] = d0;
+            m[h] = f.has_min ? dmin : _mm512_mul_ps(d0, _mm512_set1_ps((float)-f.offset));
+            continue;
         }
-        _mm512_storeu_ps(dm + 32 * h, d);
-        _mm512_storeu_ps(dm + 32 * h + 16, m);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(subs + (b * sub + h) * 16));
+        __m512i sc, mn = _mm512_setzero_si512();
+        if (f.sub_scales == 2) {
+            sc = _mm512_cvtepi8_epi32(raw);
+        } else if (f.sub_scales == 3) {  /* scale | min << 4 */
+            const __m512i both = _mm512_cvtepu8_epi32(raw);
+            sc = _mm512_and_si512(both, _mm512_set1_epi32(0x0F));
+            mn = _mm512_srli_epi32(both, 4);
+        } else {
+            sc = _mm512_cvtepu8_epi32(raw);
+            mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(subs + (groups + b * sub + h) * 16)));
+        }
+        d[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d0);
+        m[h] = f.has_min ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin))
+                         : _mm512_mul_ps(d[h], _mm512_set1_ps((float)-f.offset));
     }
 }
 
-/* Blocks kb .. kb + nb - 1 of a panel (its packed bytes at `panel`) into `out` (nb x DECODED bytes).
- * First it asks for the bytes PREFETCH_CHUNKS chunks ahead (past the panel's end: the next panel's, which
- * the thread reads next): a panel of a 896-wide matrix is a stream of only ~10 KB, too short for the
- * hardware prefetcher to ramp up (batch-1 Q5_0 GEMMs read 18.6 GB/s of the machine's 30.9 without this). */
-#define PREFETCH_CHUNKS 2
+/* decode_regs, stored: u (512 bytes) and dm (per sub: d[16], m[16]). */
+static inline __attribute__((always_inline)) void decode_block(const Format f, const uint8_t *src, int b,
+                                                               uint8_t *u, float *dm) {
+    __m512i w[8];
+    __m512 d[2], m[2];
+    decode_regs(f, src, b, w, d, m);
+    for (int g = 0; g < 8; g++) _mm512_storeu_si512(u + 64 * g, w[g]);
+    for (int h = 0; h < 32 / f.group; h++) {
+        _mm512_storeu_ps(dm + 32 * h, d[h]);
+        _mm512_storeu_ps(dm + 32 * h + 16, m[h]);
+    }
+}
+
+/* Asks for the bytes PREFETCH_BYTES past block b's share of its panel (past the panel's end: the next
+ * panel's, which the thread reads next), a block's worth at a time so that the requests never queue: a
+ * panel of a 896-wide matrix is a stream of only ~10 KB, too short for the hardware prefetcher to ramp up. */
+#define PREFETCH_BYTES 4096
+static inline __attribute__((always_inline)) void prefetch_block(const Format f, const uint8_t *panel, int64_t b) {
+    const int64_t per_block = superblock_bytes(&f) * 32 / f.sb;
+    const uintptr_t start = (uintptr_t)(panel + b * per_block + PREFETCH_BYTES);
+    for (uintptr_t line = start & ~(uintptr_t)63; line < start + per_block; line += 64)
+        _mm_prefetch((const char *)line, _MM_HINT_T1);
+}
+
+/* Blocks kb .. kb + nb - 1 of a panel (its packed bytes at `panel`) into `out` (nb x DECODED bytes). */
 static inline __attribute__((always_inline)) void decode_chunk(const Format f, const uint8_t *panel, int64_t kb,
                                                                int nb, uint8_t *out) {
     const int per_sb = f.sb / 32;
-    const int64_t sb_bytes = superblock_bytes(&f), chunk_src = (int64_t)CHUNK / per_sb * sb_bytes;
-    const uint8_t *here = panel + kb / per_sb * sb_bytes;
-    for (int64_t o = (kb ? PREFETCH_CHUNKS : 1) * chunk_src; o < (PREFETCH_CHUNKS + 1) * chunk_src; o += 64)
-        _mm_prefetch((const char *)here + o, _MM_HINT_T0);  /* a panel's first chunk: the ones between too */
+    const int64_t sb_bytes = superblock_bytes(&f);
     for (int i = 0; i < nb; i++) {
         const int64_t block = kb + i;
+        prefetch_block(f, panel, block);
         decode_block(f, panel + (block / per_sb) * sb_bytes, (int)(block % per_sb), out + i * DECODED,
                      (float *)(out + i * DECODED + 512));
     }
@@ -314,6 +336,55 @@ static inline __attribute__((always_inline)) void tile_sub2(
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc_mem + 16 * r, acc[r]);
 }
 
+/* One row over all of K for np panels, decoded in registers (no buffer): a batch-1 decode step. The same
+ * integer sums and the same float steps per block as tile_sub1 / tile_sub2, so the same bits as that row
+ * computed among others. */
+static inline __attribute__((always_inline)) void row_fused(const Format f, const int8_t *x8, const float *meta,
+                                                            int64_t K, const uint8_t *panel, int64_t panel_bytes,
+                                                            int np, __m512 *acc) {
+    const int per_sb = f.sb / 32, sub = 32 / f.group;
+    const int64_t sb_bytes = superblock_bytes(&f);
+    for (int p = 0; p < np; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        const int8_t *xq = x8 + b * 32;
+        const float *mt = meta + b * META;
+        const __m512 dx = _mm512_set1_ps(mt[0]);
+        for (int p = 0; p < np; p++) {
+            const uint8_t *src = panel + p * panel_bytes + (b / per_sb) * sb_bytes;
+            prefetch_block(f, panel + p * panel_bytes, b);
+            __m512i w[8];
+            __m512 d[2], m[2];
+            decode_regs(f, src, (int)(b % per_sb), w, d, m);
+            if (sub == 1) {
+                __m512i isum = _mm512_setzero_si512();
+                for (int t = 0; t < 4; t++) {
+                    isum = _mm512_dpbusd_epi32(isum, w[t], bcast4(xq + 4 * t));
+                    isum = _mm512_dpbusd_epi32(isum, w[t + 4], bcast4(xq + 4 * (t + 4)));
+                }
+                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d[0], dx), acc[p]);
+                acc[p] = _mm512_fmadd_ps(m[0], _mm512_set1_ps(mt[1]), acc[p]);
+            } else {
+                const __m512i lo = dot_groups(w, xq, 0), hi = dot_groups(w, xq, 4);
+                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d[0], dx), acc[p]);
+                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d[1], dx), acc[p]);
+                acc[p] = _mm512_fmadd_ps(m[0], _mm512_set1_ps(mt[2]), acc[p]);
+                acc[p] = _mm512_fmadd_ps(m[1], _mm512_set1_ps(mt[3]), acc[p]);
+            }
+        }
+    }
+}
+
+static void row_any(int qtype, const int8_t *x8, const float *meta, int64_t K, const uint8_t *panel,
+                    int64_t panel_bytes, int np, __m512 *acc) {
+    switch (qtype) {  /* a copy per format and panel count */
+#define ROW_CASE(Q) case Q: if (np == 2) row_fused(format_of(Q), x8, meta, K, panel, panel_bytes, 2, acc); \
+                            else row_fused(format_of(Q), x8, meta, K, panel, panel_bytes, 1, acc); break;
+        ROW_CASE(2) ROW_CASE(3) ROW_CASE(6) ROW_CASE(7) ROW_CASE(8) ROW_CASE(10)
+        ROW_CASE(11) ROW_CASE(12) ROW_CASE(13) ROW_CASE(14) ROW_CASE(20) ROW_CASE(23)
+#undef ROW_CASE
+    }
+}
+
 /* One tile, dispatched to a copy with literal rows and panels so that its loops unroll into registers. */
 #define SUB1(R, NP) tile_sub1(x8, meta, K, kb, nb, dec, chunk_bytes, NP, R, acc)
 #define SUB2(R, NP) tile_sub2(x8, meta, K, kb, nb, dec, R, acc)
@@ -366,6 +437,11 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
                 const int64_t pn = sub == 1 ? 2 * un : un, m0 = rb * QROW_BLOCK;                   \
                 const int64_t m_end = qmin64(M, m0 + QROW_BLOCK);                                  \
                 const int np = unit_panels(sub, panels, pn), tile_rows = np == 2 ? QPAIR_ROWS : QMAX_ROWS; \
+                if (M == 1) {  /* a batch-1 decode: decoded in registers */                        \
+                    __m512 row[2];                                                                 \
+                    row_any(qtype, x8, meta, K, w + pn * panel_bytes, panel_bytes, np, row);       \
+                    for (int p = 0; p < np; p++) _mm512_storeu_ps(acc + p * QPANEL, row[p]);       \
+                } else {                                                                           \
                 memset(acc, 0, sizeof(float) * (size_t)((m_end - m0) * np * QPANEL));              \
                 for (int64_t kb = 0; kb < blocks; kb += CHUNK) {                                   \
                     const int nb = (int)qmin64(CHUNK, blocks - kb);                                \
@@ -376,6 +452,7 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
                         tile_any(x8 + r0 * K, meta + r0 * blocks * META, K, kb, nb, dec, chunk_bytes, np, \
                                  sub, rows, acc + (r0 - m0) * np * QPANEL);                        \
                     }                                                                              \
+                }                                                                                  \
                 }                                                                                  \
                 for (int p = 0; p < np; p++) {                                                     \
                     const int64_t n0 = (pn + p) * QPANEL;                                          \
