@@ -28,7 +28,7 @@ def cdiv(a: int, b: int) -> int:
 
 def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
     """A full block's name: its tokens and, through `parent`, every block before it. sha256, so that the
-    name is the same in every process (the KV tier's files are named by it) and never collides."""
+    name is the same in every process (the KV tier's files are named by it) and collisions are out of reach."""
     return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 

@@ -95,7 +95,7 @@ class PoolBlocks:
         self.nbytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
 
     def _views(self, block_id: int) -> list[torch.Tensor]:
-        return [t[block_id].reshape(-1).view(torch.uint8) for t in self.tensors]
+        return [t[block_id].view(-1).view(torch.uint8) for t in self.tensors]  # views: the pool is contiguous
 
     def read(self, block_id: int) -> torch.Tensor:
         return torch.cat(self._views(block_id)).cpu()
@@ -200,8 +200,8 @@ class DiskTier:
                 buf = bytearray(os.fstat(f.fileno()).st_size)
                 num_read = f.readinto(buf)
         except FileNotFoundError:
-            if name in self.index:
-                logger.warning("KV tier: %s was deleted under the engine; computing its block", path)
+            if name in self.index:  # another engine on this directory evicted it, or a person deleted it
+                logger.info("KV tier: %s was deleted under the engine; computing its block", path)
                 self._forget(name)
                 self.dropped += 1
             return None
