@@ -71,6 +71,11 @@ class EngineConfig:
     speculative_config: str | dict | None = _flag(
         'draftless speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "suffix", ...}', None)
+    kv_offloading_size: float | None = _flag("GiB of RAM that keep the prefix blocks the KV pool evicts, to be copied "
+                                             "back instead of recomputed (vLLM's flag; off by default)", None)
+    kv_offloading_dir: str | None = _flag("a directory that keeps evicted prefix blocks across restarts (several "
+                                          "engines may share it)", None)
+    kv_offloading_disk_size: float = _flag("GiB that --kv-offloading-dir may hold", 16.0)
     trace_file: str | None = _flag("write a per-step CSV trace here (and a Chrome trace .json beside it)", None)
 
     def __post_init__(self) -> None:
@@ -87,12 +92,23 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         parse_size(self.kv_cache_memory)
+        if self.kv_offloading:
+            if (self.kv_offloading_size or 0) < 0 or self.kv_offloading_disk_size <= 0:
+                raise ValueError("kv_offloading_size and kv_offloading_disk_size must be positive GiB")
+            if not self.enable_prefix_caching or self.scheduler == "static" or self.tensor_parallel_size > 1:
+                raise ValueError("KV offloading keeps prefix-cache blocks: it needs enable_prefix_caching, "
+                                 "--scheduler continuous and tensor_parallel_size 1")
         if self.speculative is not None and self.scheduler == "static":
             raise ValueError("speculative_config needs --scheduler continuous (a static batch verifies no drafts)")
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+
+    @property
+    def kv_offloading(self) -> bool:
+        """Whether evicted prefix blocks are kept in a second tier (engine/kv_tier.py)."""
+        return bool(self.kv_offloading_size) or self.kv_offloading_dir is not None
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -140,7 +156,7 @@ class EngineConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=f.metadata["help"])
                 continue
-            kind = {"int": int, "int | None": int}.get(f.type, str)
+            kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(f.type, str)
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
                                 help=f"{f.metadata['help']} (default: {f.default})")
 

@@ -76,7 +76,8 @@ def cmd_latency(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.bench.metrics import parse_goodput, serving_metrics
     from minivllm.bench.report import serving_text
-    from minivllm.bench.serve import ServeTarget, counter_ratio, counter_totals, run_benchmark, served_model
+    from minivllm.bench.serve import (ServeTarget, counter_delta, counter_ratio, counter_totals, run_benchmark,
+                                      served_model)
 
     slos = parse_goodput(args.goodput or [])
     percentiles = [int(p) if p.is_integer() else p for p in map(float, args.metric_percentiles.split(","))]
@@ -106,11 +107,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
         spec["spec_mean_accepted_length"] += 1  # the token sampled after the accepted ones
         print(f"Speculative decoding (server side): acceptance rate {spec['spec_acceptance_rate']:.1%}, "
               f"mean accepted length {spec['spec_mean_accepted_length']:.2f}")
+    kv_tier = {name: counter_delta(before, after, name) for name in (
+        "kv_offload_ram_hits", "kv_offload_disk_hits", "kv_offload_loaded_bytes", "kv_offload_load_seconds")}
+    if kv_tier["kv_offload_loaded_bytes"]:
+        print(f"KV tier (server side): prompt tokens loaded back {kv_tier['kv_offload_ram_hits']:.0f} from RAM, "
+              f"{kv_tier['kv_offload_disk_hits']:.0f} from disk; {kv_tier['kv_offload_loaded_bytes'] / 2**20:.1f} MiB "
+              f"in {kv_tier['kv_offload_load_seconds']:.3f} s")
     for r in records:
         if not r.success:
             print(f"failed request: {r.error}", file=sys.stderr)
     write_json(args.output_json, {"workload": spec, "base_url": base_url, "model": target.model, "goodput": slos,
-                                  "metrics": asdict(metrics), "prefix_cache_hit_rate": prefix_hit_rate, **spec,
+                                  "metrics": asdict(metrics), "prefix_cache_hit_rate": prefix_hit_rate,
+                                  **spec, **kv_tier,
                                   "requests": requests_as_dicts(requests),
                                   "records": [asdict(r) for r in records]})
 

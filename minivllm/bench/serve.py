@@ -58,12 +58,18 @@ def counter_totals(base_url: str) -> dict[str, float] | None:
     return totals or None
 
 
+def counter_delta(before: dict | None, after: dict | None, name: str) -> float | None:
+    """What the run added to counter `name` (None: no such counter)."""
+    if not before or not after or name not in after:
+        return None
+    return after[name] - before.get(name, 0.0)
+
+
 def counter_ratio(before: dict | None, after: dict | None, numerator: str, denominator: str) -> float | None:
     """What the run added to `numerator` over what it added to `denominator` (None: no such counters)."""
-    if not before or not after or numerator not in after or denominator not in after:
-        return None
-    added = after[denominator] - before.get(denominator, 0.0)
-    return (after[numerator] - before.get(numerator, 0.0)) / added if added > 0 else None
+    added = counter_delta(before, after, denominator)
+    num = counter_delta(before, after, numerator)
+    return num / added if num is not None and added else None
 
 
 def _payload(target: ServeTarget, req: BenchRequest, max_tokens: int) -> dict:

@@ -4,35 +4,47 @@ Blocks are reference counted so that sequences with the same prompt prefix can s
 caching). A full block is named by a chained hash of its tokens and of every block before it; a freed
 block keeps its contents and its hash, and stays reusable until it is evicted in least-recently-used
 order. Invariant: every block is either counted by exactly the tables that hold it, or free.
+
+With a KV tier (kv_tier.py), an evicted block's K/V is first copied there, and a prompt whose next
+blocks the tier holds gets them copied back into free blocks instead of recomputing them.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from minivllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from minivllm.engine.kv_tier import KVTier
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_hash(parent: int | None, tokens: list[int]) -> int:
-    """A full block's name: its tokens and, through `parent`, every block before it."""
-    return hash((parent, tuple(tokens)))
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    """A full block's name: its tokens and, through `parent`, every block before it. sha256, so that the
+    name is the same in every process (the KV tier's files are named by it) and collisions are out of reach."""
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tier: KVTier | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tier = tier
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         # Free blocks, the next to be evicted first. Cached blocks keep their hash while they wait here.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -52,26 +64,61 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     # -- prefix cache -------------------------------------------------------------------------------
-    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_full_blocks):
             parent = seq.block_hashes[i - 1] if i else None
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return seq.block_hashes
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of `seq`; the last token is always left to compute,
-        because its logits are needed to sample."""
+    def _num_reusable_blocks(self, seq: Sequence) -> int:
+        """How many of `seq`'s leading full blocks may come from a cache: the last token is always
+        left to compute, because its logits are needed to sample."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []  # prompt_logprobs needs every prompt position's logits, as in vLLM
+            return 0  # prompt_logprobs needs every prompt position's logits, as in vLLM
+        return (seq.num_tokens - 1) // self.block_size
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of `seq`."""
         bs = self.block_size
-        num_full = (seq.num_tokens - 1) // bs
+        num_full = self._num_reusable_blocks(seq)
         hits: list[int] = []
         for i, h in enumerate(self._block_hashes(seq, num_full)[:num_full]):
             block_id = self.cached.get(h)
             # Compare tokens, not only hashes: a collision must never serve another prompt's K/V.
             if block_id is None or self.block_tokens[block_id] != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
+            hits.append(block_id)
+        return hits
+
+    def load_from_tier(self, seq: Sequence, hits: list[int]) -> list[int]:
+        """`hits` (match_prefix's) extended by the blocks that follow them in the pool or the tier, those
+        of the tier copied into free blocks, registered as cached and left free for allocate() to take.
+        Call it only when can_allocate(seq, ..., hits) holds: a loaded block takes the place of a
+        block the prompt would take anyway, so the loads fit, and they never evict a hit (hits are moved
+        to the far end of the free queue first, loaded blocks join them there)."""
+        assert self.tier is not None
+        bs, hits = self.block_size, list(hits)
+        for block_id in hits:
+            if self.ref_counts[block_id] == 0:
+                self.free_queue.move_to_end(block_id)
+        num_full = self._num_reusable_blocks(seq)
+        for i in range(len(hits), num_full):
+            h, tokens = seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block_id = self.cached.get(h)
+            if block_id is None:  # not in the pool: in the tier?
+                data = self.tier.fetch(h, tokens)  # in hand before _pop_free may evict into the tier
+                if data is None:
+                    break
+                block_id = self._pop_free()
+                self.tier.copy_into(block_id, data)
+                self.ref_counts[block_id] = 0
+                self.free_queue[block_id] = None
+                self.cached[h], self.block_hash[block_id], self.block_tokens[block_id] = block_id, h, tokens
+            elif self.block_tokens[block_id] != tokens:
+                break
+            elif self.ref_counts[block_id] == 0:
+                self.free_queue.move_to_end(block_id)
             hits.append(block_id)
         return hits
 
@@ -167,6 +214,8 @@ class BlockManager:
         if h is not None:  # evict: the block's old contents are about to be overwritten
             if self.cached.get(h) == block_id:
                 del self.cached[h]
+                if self.tier is not None:  # ... so keep them in the tier first
+                    self.tier.store(h, self.block_tokens[block_id], block_id)
             self.block_hash[block_id] = None
             self.block_tokens[block_id] = None
         self.ref_counts[block_id] = 1

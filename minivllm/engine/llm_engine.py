@@ -28,6 +28,7 @@ import torch
 
 from minivllm.config import EngineConfig, parse_size
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.kv_tier import KVTier, make_kv_tier, tier_stats
 from minivllm.engine.policies import POLICIES
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput, prompt_logprob_positions, will_sample
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -96,6 +97,7 @@ class ModelParts:
     num_blocks: int
     startup_time: dict[str, float] = field(default_factory=dict)  # seconds per phase of loading them
     release: Callable[[], None] | None = None  # what close() must stop (tensor-parallel workers)
+    kv_tier: KVTier | None = None  # where evicted prefix blocks go (--kv-offloading-*)
 
 
 def load_parts(config: EngineConfig) -> ModelParts:
@@ -103,6 +105,7 @@ def load_parts(config: EngineConfig) -> ModelParts:
     device, dtype = config.torch_device, config.torch_dtype
     path = resolve_model_path(config.model)
     phases: dict[str, float] = {}
+    quantization = config.weight_quantization(path.is_file())
     with timed(phases, "kernels"):  # compiled on a cold cache, else loaded
         layer_ops(device, dtype)
     group = None
@@ -112,7 +115,7 @@ def load_parts(config: EngineConfig) -> ModelParts:
 
             model_config, model, group = start_tensor_parallel(config, path)
         else:
-            model_config, model = load_model(path, device, dtype, config.weight_quantization(path.is_file()))
+            model_config, model = load_model(path, device, dtype, quantization)
     with timed(phases, "tokenizer"):
         tokenizer = get_tokenizer(path, model_config)
     num_blocks = num_kv_blocks(config, model.config, dtype)  # the rank's shard of the KV heads
@@ -123,8 +126,12 @@ def load_parts(config: EngineConfig) -> ModelParts:
             from minivllm.distributed.worker import DriverRunner
 
             runner = DriverRunner(group, model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
+    kv_tier = None
+    if config.kv_offloading:
+        with timed(phases, "kv_tier"):  # indexes its directory, if any
+            kv_tier = make_kv_tier(config, path, quantization, runner)
     return ModelParts(model_config, tokenizer, runner, Sampler(device, config.seed), num_blocks, phases,
-                      release=runner.close if group is not None else None)
+                      release=runner.close if group is not None else None, kv_tier=kv_tier)
 
 
 class LLMEngine:
@@ -141,7 +148,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks)
 
         static = config.scheduler == "static"
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not static)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not static,
+                                          parts.kv_tier)
         policy = POLICIES[config.scheduling_policy]()
         self.scheduler = (StaticBatchScheduler(config, self.block_manager, policy, clock=clock,
                                                max_model_len=self.max_model_len)
@@ -518,7 +526,11 @@ class LLMEngine:
             self.tracer.flush()
 
     def close(self) -> None:
-        """Write out the trace, if one is kept; stop the grammar compiler and tensor-parallel workers."""
+        """Write out the trace, if one is kept, and the prefix blocks still in the pool to the KV tier's
+        directory, if there is one; stop the grammar compiler and tensor-parallel workers."""
+        if (tier := self.block_manager.tier) is not None:
+            bm = self.block_manager
+            tier.persist((h, bm.block_tokens[b], b) for h, b in bm.cached.items())
         if self._release is not None:
             self._release()
             self._release = None
@@ -549,6 +561,7 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_cache_usage": bm.usage,
                 "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
+                **tier_stats(bm.tier),
                 **self.spec_decode_stats()}
 
     def spec_decode_stats(self, since: dict[str, Any] | None = None) -> dict[str, float | None]:

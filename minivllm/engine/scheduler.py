@@ -255,13 +255,18 @@ class Scheduler(SchedulerBase):
         if output.preempted:  # memory is short: let the running sequences drain first
             return
         self.policy.sort_waiting(self.waiting, now)
+        bs = self.block_manager.block_size
         for seq in list(self.waiting):
             if self.budget == 0:
                 return
             if seq.waiting_for_grammar:  # its grammar is compiling: the others go ahead (as in vLLM v1)
                 continue
             hits = self.block_manager.match_prefix(seq)
-            num_uncomputed = seq.num_tokens - len(hits) * self.block_manager.block_size
+            if self.block_manager.tier is not None and self._room_for(seq, seq.num_tokens - len(hits) * bs, hits):
+                # The blocks that follow, copied back from the KV tier (a fraction of what computing
+                # them costs); only for a prompt that fits, so that every load is used (kv_tier.py).
+                hits = self.block_manager.load_from_tier(seq, hits)
+            num_uncomputed = seq.num_tokens - len(hits) * bs
             n = self._chunk(seq, num_uncomputed)
             if n == 0 and not self.config.enable_chunked_prefill:
                 if output.scheduled:  # the whole prompt does not fit beside the others

@@ -31,7 +31,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of this sequence's full blocks (prefix caching), in block order.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     # How many leading blocks of `block_table` the block manager has registered in the prefix cache.
     num_cached_blocks: int = 0
     finish_reason: str | None = None

@@ -84,9 +84,9 @@ class PrefixAware(RoutingPolicy):
                  slack_tokens: int = 4096) -> None:
         self.block_size, self.max_blocks = block_size, max_blocks
         self.load_factor, self.slack_tokens = load_factor, slack_tokens
-        self.owner: dict[int, int] = {}  # block hash -> the replica it was last sent to
+        self.owner: dict[bytes, int] = {}  # block hash -> the replica it was last sent to
 
-    def hashes(self, token_ids: list[int]) -> list[int]:
+    def hashes(self, token_ids: list[int]) -> list[bytes]:
         bs, out, parent = self.block_size, [], None
         for i in range(min(len(token_ids) // bs, self.max_blocks)):
             parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
