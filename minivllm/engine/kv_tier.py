@@ -78,7 +78,8 @@ class KVIdentity:
 
 @dataclass
 class TierStats:
-    """Counters, named as LLMEngine.get_stats() reports them. Hits are prompt tokens."""
+    """Counters, named as LLMEngine.get_stats() reports them. Hits are prompt tokens; the prefix cache's
+    `prefix_cache_hits` counts them too (a loaded block is a cached block), these say which tier served."""
     kv_offload_ram_hits: int = 0
     kv_offload_disk_hits: int = 0
     kv_offload_stored_bytes: int = 0  # copied out of the pool
