@@ -378,6 +378,7 @@ def test_serve_end_to_end(tmp_path, server_url):
                    "--goodput", "ttft:600000", "e2el:600000")
     m, records = res["metrics"], res["records"]
     assert (m["completed"], m["failed"]) == (4, 0)
+    assert res["workload"]["num_prompts"] == 4 and res["spec_acceptance_rate"] is None  # no speculation here
     # ignore_eos and max_tokens reach the server, and usage reports what it generated.
     assert [r["output_len"] for r in records] == [q["output_len"] for q in res["requests"]]
     assert m["total_output"] == sum(q["output_len"] for q in res["requests"])

@@ -99,14 +99,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     prefix_hit_rate = counter_ratio(before, after, "prefix_cache_hits", "prefix_cache_queries")
     if prefix_hit_rate is not None:
         print(f"Prefix cache hit rate (server side, prompt tokens, all replicas): {prefix_hit_rate:.1%}")
-    spec = {"spec_acceptance_rate": counter_ratio(before, after, "spec_decode_num_accepted_tokens",
-                                                  "spec_decode_num_draft_tokens"),
-            "spec_mean_accepted_length": counter_ratio(before, after, "spec_decode_num_accepted_tokens",
-                                                       "spec_decode_num_drafts")}
-    if spec["spec_mean_accepted_length"] is not None:
-        spec["spec_mean_accepted_length"] += 1  # the token sampled after the accepted ones
-        print(f"Speculative decoding (server side): acceptance rate {spec['spec_acceptance_rate']:.1%}, "
-              f"mean accepted length {spec['spec_mean_accepted_length']:.2f}")
+    speculation = {"spec_acceptance_rate": counter_ratio(before, after, "spec_decode_num_accepted_tokens",
+                                                         "spec_decode_num_draft_tokens"),
+                   "spec_mean_accepted_length": counter_ratio(before, after, "spec_decode_num_accepted_tokens",
+                                                              "spec_decode_num_drafts")}
+    if speculation["spec_mean_accepted_length"] is not None:
+        speculation["spec_mean_accepted_length"] += 1  # the token sampled after the accepted ones
+        print(f"Speculative decoding (server side): acceptance rate {speculation['spec_acceptance_rate']:.1%}, "
+              f"mean accepted length {speculation['spec_mean_accepted_length']:.2f}")
     kv_tier = {name: counter_delta(before, after, name) for name in (
         "kv_offload_ram_hits", "kv_offload_disk_hits", "kv_offload_loaded_bytes", "kv_offload_load_seconds")}
     if kv_tier["kv_offload_loaded_bytes"]:
@@ -118,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             print(f"failed request: {r.error}", file=sys.stderr)
     write_json(args.output_json, {"workload": spec, "base_url": base_url, "model": target.model, "goodput": slos,
                                   "metrics": asdict(metrics), "prefix_cache_hit_rate": prefix_hit_rate,
-                                  **spec, **kv_tier,
+                                  **speculation, **kv_tier,
                                   "requests": requests_as_dicts(requests),
                                   "records": [asdict(r) for r in records]})
 
