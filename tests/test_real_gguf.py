@@ -51,8 +51,7 @@ def test_dequantized_float32_greedy_equals_transformers(real_gguf: Path, dequant
 
 
 def test_quantized_path_quality_against_the_dequantized_one(real_gguf: Path, dequantized_f32: Any) -> None:
-    """Perplexity within 1 % of float32's; top-1 agreement within 1.5 points of bf16-vs-float32's; and a
-    readable greedy answer."""
+    """Perplexity within 1 % of float32's; top-1 agreement within 1.5 points of bf16-vs-float32's."""
     tokenizer = dequantized_f32.engine.tokenizer
     chunks = text_chunks(tokenizer.encode(DEFAULT_TEXT.read_text(), add_special_tokens=False), CHUNK, SCORED_TOKENS)
     reference = scores_of(dequantized_f32, chunks)
@@ -66,7 +65,22 @@ def test_quantized_path_quality_against_the_dequantized_one(real_gguf: Path, deq
     assert len(reference.logprobs) >= 2000
     assert abs(quantized.perplexity / reference.perplexity - 1) < 0.01, (quantized.perplexity, reference.perplexity)
     assert agreement(quantized) >= agreement(floor) - 0.015, (agreement(quantized), agreement(floor))
-    llm = LLM(model=str(real_gguf), dtype="bfloat16", num_kv_blocks=64)
-    prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
-    assert "Paris" in answer.outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def quantized_bf16(real_gguf: Path) -> Any:
+    return LLM(model=str(real_gguf), dtype="bfloat16", num_kv_blocks=128)  # the default: the file's blocks
+
+
+def test_quantized_answers_alone_as_in_a_crowd(quantized_bf16: Any) -> None:
+    """Readable, and the same tokens alone as beside other requests (bf16, by equality): every format of
+    the file (Q5_0, Q8_0 and Q4_K/Q6_K segments) through the batch-1 path and the batched one."""
+    tokenizer = quantized_bf16.engine.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])
+               for p in ["What is the capital of France?", *CHAT_PROMPTS]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = quantized_bf16.generate(prompts[:1], params, use_tqdm=False)[0]
+    crowd = quantized_bf16.generate(prompts, params, use_tqdm=False)[0]
+    assert "Paris" in alone.outputs[0].text
+    assert crowd.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_idle(quantized_bf16.engine)

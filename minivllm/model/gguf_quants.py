@@ -53,12 +53,9 @@ class BlockFormat:
     group: int  # elements per scale: the block (32) or a K-quant's sub-block (16 or 32)
     offset: int = 0  # subtracted from v: what makes unsigned integers signed weights
     lut: bool = False  # v = IQ4_VALUES[u] + 128
+    has_min: bool = False  # a float16 dmin: Q4_1's and Q5_1's m, or a K-quant's min scale
     sub_scales: str | None = None  # K-quants: "u8" (6-bit scale and min), "i8" (signed scale),
     # "nibbles" (Q2_K: a 4-bit scale and min in one byte)
-
-    @property
-    def has_min(self) -> bool:
-        return self.name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -177,14 +174,14 @@ def _iq4_xs(b: torch.Tensor) -> Ints:  # d, scales_h (uint16), scales_l[4], qs[1
 # common files; the others (IQ1-IQ3, TQ, MXFP4, ...) are refused at load (loader.py).
 BLOCK_FORMATS = {
     2: BlockFormat("Q4_0", 32, 18, _q4_0, 4, 32, offset=8),
-    3: BlockFormat("Q4_1", 32, 20, _q4_1, 4, 32),
+    3: BlockFormat("Q4_1", 32, 20, _q4_1, 4, 32, has_min=True),
     6: BlockFormat("Q5_0", 32, 22, _q5_0, 5, 32, offset=16),
-    7: BlockFormat("Q5_1", 32, 24, _q5_1, 5, 32),
+    7: BlockFormat("Q5_1", 32, 24, _q5_1, 5, 32, has_min=True),
     8: BlockFormat("Q8_0", 32, 34, _q8_0, 8, 32, offset=128),
-    10: BlockFormat("Q2_K", QK_K, 84, _q2_k, 2, 16, sub_scales="nibbles"),
+    10: BlockFormat("Q2_K", QK_K, 84, _q2_k, 2, 16, sub_scales="nibbles", has_min=True),
     11: BlockFormat("Q3_K", QK_K, 110, _q3_k, 3, 16, offset=4, sub_scales="i8"),
-    12: BlockFormat("Q4_K", QK_K, 144, _q4_k, 4, 32, sub_scales="u8"),
-    13: BlockFormat("Q5_K", QK_K, 176, _q5_k, 5, 32, sub_scales="u8"),
+    12: BlockFormat("Q4_K", QK_K, 144, _q4_k, 4, 32, sub_scales="u8", has_min=True),
+    13: BlockFormat("Q5_K", QK_K, 176, _q5_k, 5, 32, sub_scales="u8", has_min=True),
     14: BlockFormat("Q6_K", QK_K, 210, _q6_k, 6, 16, offset=32, sub_scales="i8"),
     20: BlockFormat("IQ4_NL", 32, 18, _iq4_nl, 4, 32, offset=128, lut=True),
     23: BlockFormat("IQ4_XS", QK_K, 136, _iq4_xs, 4, 32, offset=128, lut=True, sub_scales="i8"),

@@ -247,6 +247,12 @@ def _fields(plane: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([(x >> g) & 1 for g in range(8)], dim=2)
 
 
+def _weights(fmt: BlockFormat, v: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """`unpack`'s parts as float32 weights [rows, k]: w = d * v + m per group."""
+    rows = v.shape[0]
+    return (v.view(rows, -1, fmt.group).float() * d[..., None] + m[..., None]).view(rows, -1)
+
+
 # -- the torch twin -------------------------------------------------------------------------------
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, k] -> (x8 as float32 [rows, k / 32, 32], dx float32 [rows, k / 32, 1]), per row and block."""
@@ -330,9 +336,6 @@ class QuantizedWeight:
         """x @ W^T (+ bias: float32 for the kernel)."""
         if self.kernel is not None:
             return self.kernel.forward(x, self, bias)
-        if len(self.segments) == 1:
-            s = self.segments[0]
-            return linear_twin(x, s.packed, s.fmt, s.n, bias)
         return torch.cat([linear_twin(x, s.packed, s.fmt, s.n, None if bias is None else bias[o:o + s.n])
                           for s, o in zip(self.segments, self.offsets)], dim=1)
 
@@ -345,16 +348,11 @@ class QuantizedWeight:
         panels = torch.div(flat, PANEL, rounding_mode="floor")
         v, d, m = unpack(s.packed[panels], s.fmt, len(flat) * PANEL, self.k)
         pick = torch.arange(len(flat), device=flat.device) * PANEL + flat % PANEL
-        w = v[pick].view(len(flat), -1, s.fmt.group).float() * d[pick][..., None] + m[pick][..., None]
-        return w.view(*ids.shape, self.k).to(self.dtype)
+        return _weights(s.fmt, v[pick], d[pick], m[pick]).view(*ids.shape, self.k).to(self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [n, k] (tests and checks)."""
-        parts = []
-        for s in self.segments:
-            v, d, m = unpack(s.packed, s.fmt, s.n, self.k)
-            parts.append((v.view(s.n, -1, s.fmt.group).float() * d[..., None] + m[..., None]).view(s.n, self.k))
-        return torch.cat(parts)
+        return torch.cat([_weights(s.fmt, *unpack(s.packed, s.fmt, s.n, self.k)) for s in self.segments])
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,8 @@
 """The built model's weights, saved once in the layout the kernels read and memory-mapped at later starts.
 
 Splitting a GGUF file's blocks into integers and packing them into the quantized GEMM's panels
-(quant.py) takes a second or two at every start, yet its result depends only on the checkpoint's
-bytes, the dtype, the quantization and the kernels' build. So the first start writes it under the
+(quant.py) takes seconds at every start, yet its result depends only on the checkpoint's bytes, the
+dtype, the quantization and the kernels' build. So the first start writes it under the
 cache directory, keyed by all four, and later starts map the file and use its tensors in place: no
 split, no pack, and pages shared with the OS page cache (the mapping is private: nothing is written
 back).
@@ -39,9 +39,9 @@ State = dict[str, "torch.Tensor | QuantizedWeight"]
 
 
 def cache_file(path: Path, device: torch.device, dtype: torch.dtype, quantization: str) -> Path | None:
-    """Where this model's built weights are cached, or None where there is nothing worth caching:
-    only quantized weights packed for the native kernel cost time to build (float weights are mapped
-    from the checkpoint already)."""
+    """Where this model's built weights are cached, or None where there is nothing worth caching: only
+    quantized weights cost time to build, packed on the CPU (float weights are mapped from the checkpoint
+    already; CUDA dequantizes)."""
     if quantization == "none" or device.type != "cpu":
         return None
     key = "-".join([checkpoint_digest(path)[:24], str(dtype).removeprefix("torch."), quantization,

@@ -14,12 +14,13 @@
  * so a row's result is the same bits whether the call has 1 row or 2,048 (issue 12), and a token is
  * quantized the same way in a prefill, a chunk or a decode.
  *
- * How: each thread takes a unit of one or two panels and a block of up to 64 rows; per chunk of 8
- * 32-k blocks it decodes the unit's weights into a small buffer in L1 (bytes u in vpdpbusd's order,
- * float32 d and m: `decode_block`, the one per-format part), then runs every tile of rows of its block
- * over the buffer, with the tile's accumulators kept in registers within the chunk. Decoding is done
- * once per row block, so a prefill pays it once per 64 rows; a decode step is bound by the weight
- * stream, which the decode reads once.
+ * How: the one per-format part is `decode_regs`, a 32-k block of 16 columns into bytes u in vpdpbusd's
+ * order and float32 d and m. Each thread takes a unit of one or two panels and a block of up to 64 rows.
+ * One row (a batch-1 decode, bound by the weight stream) uses the decoded block in registers
+ * (`row_fused`). More rows decode each chunk of 8 blocks into a small buffer in L1 (`decode_block`) and
+ * run every tile of rows of the block over it, the tile's accumulators in registers within the chunk:
+ * a prefill pays the decoding once per 64 rows. Both do the same integer sums and float steps per block,
+ * so a row's bits do not depend on which one ran.
  */
 #include <stdint.h>
 #include <stdlib.h>
