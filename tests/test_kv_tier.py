@@ -13,6 +13,7 @@ import logging
 import resource
 import signal
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 from minivllm import LLM
 from minivllm.engine.block_manager import block_hash
 from minivllm.engine.kv_tier import MAGIC
+from minivllm.server.dashboard import load_trace
 from minivllm.server.metrics import ServerMetrics
 from tests.helpers import LONG_PROMPT, assert_idle, greedy
 
@@ -56,7 +58,8 @@ def entry_files(llm: LLM, prompt: list[int]) -> list[Path]:
 
 @pytest.mark.parametrize("tier, dtype", [("ram", "float32"), ("disk", "bfloat16")])
 def test_evicted_prefix_comes_back_from_the_tier_bit_identical(tier: str, dtype: str, tmp_path: Path) -> None:
-    llm = small_llm(dtype, **({"kv_offloading_size": 0.01} if tier == "ram" else {"kv_offloading_dir": str(tmp_path)}))
+    place = {"kv_offloading_size": 0.01} if tier == "ram" else {"kv_offloading_dir": str(tmp_path / "tier")}
+    llm = small_llm(dtype, trace_file=str(tmp_path / "steps.csv"), **place)
     a, b = prompts(llm)
     cold = run(llm, a)
     assert cold[2] == 0
@@ -71,6 +74,9 @@ def test_evicted_prefix_comes_back_from_the_tier_bit_identical(tier: str, dtype:
     metrics = ServerMetrics("m", llm.engine.get_stats).render()[0].decode()
     assert f"minivllm:kv_offload_{tier}_hits_total{{model_name=\"m\"}} {FROM_TIER}.0" in metrics
     assert_idle(llm.engine)
+    llm.engine.close()
+    steps = [r for r in load_trace(tmp_path / "steps.csv").records if r["kind"] == "step"]
+    assert sum(r[f"num_tier_{tier}_tokens"] for r in steps) == FROM_TIER  # what the dashboard sums
 
 
 def test_restart_reuses_the_directory_and_another_dtype_does_not(tmp_path: Path) -> None:
@@ -90,6 +96,41 @@ def test_restart_reuses_the_directory_and_another_dtype_does_not(tmp_path: Path)
     assert other.engine.get_stats()["kv_offload_disk_hits"] == 0
     for llm in (second, other):
         assert_idle(llm.engine)
+
+
+def test_a_prompt_reading_from_disk_does_not_stall_the_others(tmp_path: Path) -> None:
+    """The directory is read on the tier's I/O thread: while A's entries are being read (a disk held up
+    by the test), B decodes step after step; then A loads them and answers as it did cold."""
+    first = small_llm(kv_offloading_dir=str(tmp_path))
+    a, b = prompts(first)
+    cold = run(first, a)
+    first.engine.close()
+
+    second = small_llm(kv_offloading_dir=str(tmp_path))
+    engine, disk = second.engine, second.engine.block_manager.tier.disk
+    disk_released, real_get = threading.Event(), disk.get
+
+    def slow_get(*args: Any) -> Any:
+        disk_released.wait(timeout=30)
+        return real_get(*args)
+
+    disk.get = slow_get
+    engine.add_request("b", b[:8], greedy(12))
+    engine.add_request("a", a, greedy(4, logprobs=2))
+    outputs: dict[str, Any] = {}
+    for _ in range(6):
+        outputs.update({o.request_id: o for o in engine.step()})
+    a_seq = engine.requests["a"]
+    assert a_seq.num_computed_tokens == 0 and len(engine.requests["b"].output_token_ids) >= 5
+    assert disk.pending_reads(), "A's blocks are being read"
+    disk_released.set()
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    warm = outputs["a"].outputs[0]
+    assert (warm.token_ids, warm.logprobs) == cold[:2] and outputs["a"].metrics.num_cached_tokens == 6 * BS
+    assert engine.get_stats()["kv_offload_disk_hits"] == 6 * BS
+    assert engine.get_stats()["kv_offload_read_seconds"] > 0
+    assert_idle(engine)
 
 
 def test_damaged_and_foreign_entries_are_dropped_never_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

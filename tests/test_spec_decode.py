@@ -174,3 +174,18 @@ def test_seeded_sampling_equal_alone_and_in_a_crowd(llm: LLM, ngram_llm: LLM) ->
     outs = ngram_llm.generate(crowd + prompts, crowd_params + params, use_tqdm=False)
     assert tokens(outs[len(crowd):]) == reference
     assert accepted(ngram_llm) > before
+
+
+def test_the_step_trace_carries_drafts_and_acceptance(tmp_path) -> None:
+    """The per-step columns the dashboard sums (drafts, draft tokens, accepted tokens) add up to the
+    engine's counters."""
+    from minivllm.server.dashboard import load_trace
+
+    llm = spec_llm(NGRAM, num_kv_blocks=64, trace_file=str(tmp_path / "steps.csv"))
+    llm.generate(GROUNDED, greedy(), use_tqdm=False)
+    llm.engine.close()
+    steps = [r for r in load_trace(tmp_path / "steps.csv").records if r["kind"] == "step"]
+    for column, counter in (("num_drafts", "spec_decode_num_drafts"), ("num_draft_tokens", "spec_decode_num_draft_tokens"),
+                            ("num_accepted_tokens", "spec_decode_num_accepted_tokens")):
+        assert sum(r[column] for r in steps) == llm.engine.stats[counter] > 0
+

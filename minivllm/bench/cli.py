@@ -108,11 +108,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print(f"Speculative decoding (server side): acceptance rate {speculation['spec_acceptance_rate']:.1%}, "
               f"mean accepted length {speculation['spec_mean_accepted_length']:.2f}")
     kv_tier = {name: counter_delta(before, after, name) for name in (
-        "kv_offload_ram_hits", "kv_offload_disk_hits", "kv_offload_loaded_bytes", "kv_offload_load_seconds")}
+        "kv_offload_ram_hits", "kv_offload_disk_hits", "kv_offload_loaded_bytes", "kv_offload_load_seconds",
+        "kv_offload_read_seconds")}
     if kv_tier["kv_offload_loaded_bytes"]:
         print(f"KV tier (server side): prompt tokens loaded back {kv_tier['kv_offload_ram_hits']:.0f} from RAM, "
               f"{kv_tier['kv_offload_disk_hits']:.0f} from disk; {kv_tier['kv_offload_loaded_bytes'] / 2**20:.1f} MiB "
-              f"in {kv_tier['kv_offload_load_seconds']:.3f} s")
+              f"copied in {kv_tier['kv_offload_load_seconds']:.3f} s in the steps "
+              f"({kv_tier['kv_offload_read_seconds']:.3f} s of disk reads beside them)")
     for r in records:
         if not r.success:
             print(f"failed request: {r.error}", file=sys.stderr)

@@ -91,6 +91,24 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def tier_reading(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether blocks that follow `hits` (match_prefix's) are still being read from the tier's
+        directory; asking starts their reads, which run beside the steps."""
+        assert self.tier is not None
+        bs, reading = self.block_size, False
+        for i in range(len(hits), self._num_reusable_blocks(seq)):
+            h, tokens = seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block_id = self.cached.get(h)
+            if block_id is not None:
+                if self.block_tokens[block_id] != tokens:
+                    break
+                continue
+            ready = self.tier.ready(h, tokens)
+            if ready is False:
+                break
+            reading |= ready is None
+        return reading
+
     def load_from_tier(self, seq: Sequence, hits: list[int]) -> list[int]:
         """`hits` (match_prefix's) extended by the blocks that follow them in the pool or the tier, those
         of the tier copied into free blocks, registered as cached and left free for allocate() to take.

@@ -7,11 +7,14 @@ the step that would prefill them, so the prompt starts with those blocks compute
 as the pool holds it, byte for byte (every layer's K, V and, for quantized formats, their scales), so a
 prefix loaded back gives the same K/V bits as recomputing it, and the same greedy output.
 
-Cost. Loading is synchronous, inside schedule(): a block is copied (and from disk read and checksummed)
-instead of recomputed. A copy moves a block's bytes once, at memory or page-cache speed (~0.1 ms for a
+Cost. The directory's reads and writes run on one background thread, so that a step never waits for
+the disk: a prompt whose next blocks are on disk only waits (the others go ahead) until they have been
+read and checked, and the scheduler then copies them in. What the step does pay is that copy (and, for
+an evicted block, the copy out): a block's bytes moved once at memory speed (~0.1 ms for a
 SmolLM2-135M float32 block of 16 tokens), while recomputing it runs every weight over its 16 tokens
-(~16 x 2 x parameters FLOP, tens of ms on a CPU): hundreds to thousands of times more. The time
-is accounted in `kv_offload_load_seconds` (and in the engine's "schedule" step time).
+(~16 x 2 x parameters FLOP, tens of ms on a CPU): hundreds to thousands of times more. The copies are
+accounted in `kv_offload_load_seconds` (and in the engine's "schedule" step time), the background reads
+in `kv_offload_read_seconds`.
 
 Keys. A block is named by the prefix cache's own hash, a sha256 chain over the token ids of it and every
 block before it (block_manager.block_hash), the same in every process. A directory entry is named by
@@ -19,7 +22,8 @@ that and by the digest of `KVIdentity`, everything that decides the bits; it car
 tokens and a crc32 of its bytes, all checked before use: a corrupt, truncated or foreign entry is
 deleted with a log line, never used.
 
-Faults (disk tier). Entries are written aside and renamed into place, so a reader never sees half a
+Faults (disk tier). One thread does every file operation in the order asked, so a block read after
+it was written finds it. Entries are written aside and renamed into place, so a reader never sees half a
 file. A write that fails (disk full, a file size limit, a vanished directory) is logged and skipped:
 the block is only not kept. A file deleted under the engine is a miss. Several engines may share a
 directory: each keeps its own index (what it found at start and what it wrote), opens an entry it
@@ -28,6 +32,7 @@ least recently used files it knows.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -35,6 +40,7 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -84,8 +90,7 @@ class TierStats:
     kv_offload_disk_hits: int = 0
     kv_offload_stored_bytes: int = 0  # copied out of the pool
     kv_offload_loaded_bytes: int = 0  # copied back into it
-    kv_offload_load_seconds: float = 0.0
-    kv_offload_write_errors: int = 0
+    kv_offload_load_seconds: float = 0.0  # in the step: waiting for and copying blocks back
 
 
 class PoolBlocks:
@@ -94,6 +99,7 @@ class PoolBlocks:
     def __init__(self, kv_caches: list[KVCache]) -> None:
         self.tensors = [t for cache in kv_caches for t in cache.tensors()]
         self.nbytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
+        self.num_blocks = self.tensors[0].shape[0]
 
     def _views(self, block_id: int) -> list[torch.Tensor]:
         return [t[block_id].view(-1).view(torch.uint8) for t in self.tensors]  # views: the pool is contiguous
@@ -154,7 +160,14 @@ class DiskTier:
         self.block_bytes = block_bytes
         self.used = 0
         self.dropped = 0  # entries refused (corrupt, truncated, foreign) or deleted under the engine
+        self.write_errors = 0
+        self.read_seconds = 0.0
         self.index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, oldest first; every model's
+        self.writing: set[str] = set()  # entries handed to the I/O thread, not yet written
+        self.reads: OrderedDict[bytes, concurrent.futures.Future] = OrderedDict()  # asked for, not yet taken
+        self.max_read_bytes = 0  # what `reads` may hold: KVTier sets it to the pool's size
+        self._lock = threading.Lock()  # the index, `used` and the counters: both threads change them
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-io")
         self._warned_write = False
         self._scan()
 
@@ -183,17 +196,46 @@ class DiskTier:
 
     def has(self, key: bytes) -> bool:
         name = self._name(key)
-        if name in self.index:
-            return True
+        with self._lock:
+            if name in self.index or name in self.writing:
+                return True
         try:  # written by another engine on this directory since we started?
             self._add(name, (self.directory / name).stat().st_size)
             return True
         except OSError:
             return False
 
+    def prefetch(self, key: bytes, tokens: tuple[int, ...]) -> concurrent.futures.Future:
+        """The entry's read on the I/O thread (get's answer), started by the first call."""
+        if key not in self.reads:
+            self.reads[key] = self._io.submit(self._timed_get, key, tokens)
+            while len(self.reads) * self.block_bytes > self.max_read_bytes > 0:  # never taken (aborted)
+                oldest = next(iter(self.reads))
+                if not self.reads[oldest].done() or oldest == key:
+                    break
+                del self.reads[oldest]
+        return self.reads[key]
+
+    def take(self, key: bytes, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        """The entry's bytes, from its read ahead if one was started (waiting for it), else read now."""
+        future = self.reads.pop(key, None) or self.prefetch(key, tokens)
+        self.reads.pop(key, None)
+        return future.result()
+
+    def pending_reads(self) -> list[concurrent.futures.Future]:
+        return [f for f in self.reads.values() if not f.done()]
+
+    def _timed_get(self, key: bytes, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        start = time.perf_counter()
+        try:
+            return self.get(key, tokens)
+        finally:
+            with self._lock:
+                self.read_seconds += time.perf_counter() - start
+
     def get(self, key: bytes, tokens: tuple[int, ...]) -> torch.Tensor | None:
         """The entry's bytes if it exists and is intact and ours for these tokens; else None, and an
-        entry found unusable is deleted."""
+        entry found unusable is deleted. (Synchronous: the engine reads through prefetch and take.)"""
         name = self._name(key)
         path = self.directory / name
         try:
@@ -201,10 +243,11 @@ class DiskTier:
                 buf = bytearray(os.fstat(f.fileno()).st_size)
                 num_read = f.readinto(buf)
         except FileNotFoundError:
-            if name in self.index:  # another engine on this directory evicted it, or a person deleted it
-                logger.info("KV tier: %s was deleted under the engine; computing its block", path)
-                self._forget(name)
-                self.dropped += 1
+            with self._lock:
+                if name in self.index:  # another engine on this directory evicted it, or a person deleted it
+                    logger.info("KV tier: %s was deleted under the engine; computing its block", path)
+                    self._forget(name)
+                    self.dropped += 1
             return None
         except OSError as e:
             logger.warning("KV tier: cannot read %s (%s); computing its block", path, e)
@@ -212,12 +255,14 @@ class DiskTier:
         data, problem = self._parse(buf, num_read, tokens)
         if problem:
             logger.warning("KV tier: dropping %s: %s", path, problem)
-            self._forget(name)
-            self.dropped += 1
+            with self._lock:
+                self._forget(name)
+                self.dropped += 1
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
-        self._add(name, len(buf))
+        with self._lock:
+            self._add(name, len(buf))
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used, also for the next process's index
         return data
@@ -247,34 +292,48 @@ class DiskTier:
             return None, "checksum mismatch (corrupt)"
         return data, ""
 
-    def put(self, key: bytes, tokens: tuple[int, ...], data: torch.Tensor) -> bool:
-        """Write an entry aside and rename it into place; False (logged) if the write failed."""
+    def put(self, key: bytes, tokens: tuple[int, ...], data: torch.Tensor) -> None:
+        """Write an entry on the I/O thread (`data` must not change meanwhile: a copy out of the pool)."""
         name = self._name(key)
+        with self._lock:
+            self.writing.add(name)
+        self._io.submit(self._write, name, tokens, data)
+
+    def _write(self, name: str, tokens: tuple[int, ...], data: torch.Tensor) -> None:
+        """Write an entry aside and rename it into place; a failed write is counted and logged."""
         array = data.numpy()
         header = json.dumps({"identity": self.identity, "tokens": list(tokens), "nbytes": len(array),
                              "crc32": zlib.crc32(array)}).encode()
         size = len(MAGIC) + 4 + len(header) + len(array)
-        if size > self.capacity:
-            return False
-        self._evict(size)
+        written = False
         try:
-            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".writing-", delete=False) as f:
-                try:
-                    f.write(MAGIC + struct.pack("<I", len(header)) + header)
-                    f.write(array)
-                    f.flush()
-                    os.replace(f.name, self.directory / name)
-                except BaseException:
-                    os.unlink(f.name)
-                    raise
+            if size <= self.capacity:
+                self._evict(size)
+                with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".writing-", delete=False) as f:
+                    try:
+                        f.write(MAGIC + struct.pack("<I", len(header)) + header)
+                        f.write(array)
+                        f.flush()
+                        os.replace(f.name, self.directory / name)
+                    except BaseException:
+                        os.unlink(f.name)
+                        raise
+                written = True
         except OSError as e:  # ENOSPC, EFBIG (RLIMIT_FSIZE), EROFS, the directory removed ...
             log = logger.debug if self._warned_write else logger.warning
             log("KV tier: cannot write to %s (%s); the block is not kept (further failures logged at debug)",
                 self.directory, e)
             self._warned_write = True
-            return False
-        self._add(name, size)
-        return True
+        with self._lock:
+            self.writing.discard(name)
+            if written:
+                self._add(name, size)
+            else:
+                self.write_errors += 1
+
+    def flush(self) -> None:
+        """Wait for the writes asked for so far."""
+        self._io.submit(lambda: None).result()
 
     def _add(self, name: str, size: int) -> None:
         self.used += size - self.index.pop(name, 0)
@@ -285,9 +344,12 @@ class DiskTier:
 
     def _evict(self, room: int) -> None:
         """Delete the least recently used files until `room` more bytes fit."""
-        while self.index and self.used + room > self.capacity:
-            name, size = self.index.popitem(last=False)
-            self.used -= size
+        while True:
+            with self._lock:
+                if not self.index or self.used + room <= self.capacity:
+                    return
+                name, size = self.index.popitem(last=False)
+                self.used -= size
             with contextlib.suppress(OSError):
                 (self.directory / name).unlink()
 
@@ -312,8 +374,21 @@ class KVTier:
         self.stats.kv_offload_stored_bytes += data.numel()
         if not in_ram:
             self.ram.put(key, tokens, data)
-        if not on_disk and not self.disk.put(key, tokens, data):
-            self.stats.kv_offload_write_errors += 1
+        if not on_disk:
+            self.disk.put(key, tokens, data)
+
+    def ready(self, key: bytes, tokens: tuple[int, ...]) -> bool | None:
+        """Whether the block named `key` can be fetched now: True (in RAM, or read from the directory),
+        None (being read: asking starts the read), False (no tier has it intact)."""
+        if self.ram is not None and self.ram.get(key, tokens) is not None:
+            return True
+        if self.disk is None or not self.disk.has(key):
+            return False
+        read = self.disk.prefetch(key, tokens)
+        return (read.result() is not None) if read.done() else None
+
+    def pending_reads(self) -> list[concurrent.futures.Future]:
+        return self.disk.pending_reads() if self.disk is not None else []
 
     def fetch(self, key: bytes, tokens: tuple[int, ...]) -> torch.Tensor | None:
         """The verified bytes of the block named `key` holding `tokens`, from the nearest tier; None
@@ -323,7 +398,7 @@ class KVTier:
         if data is not None:
             self.stats.kv_offload_ram_hits += len(tokens)
         elif self.disk is not None:
-            data = self.disk.get(key, tokens)
+            data = self.disk.take(key, tokens)
             if data is not None:
                 self.stats.kv_offload_disk_hits += len(tokens)
         self.stats.kv_offload_load_seconds += time.perf_counter() - start
@@ -336,20 +411,23 @@ class KVTier:
         self.stats.kv_offload_load_seconds += time.perf_counter() - start
 
     def persist(self, blocks: Iterable[tuple[bytes, tuple[int, ...], int]]) -> None:
-        """Write (hash, tokens, block id) of the pool's cached blocks to the directory, so that the next
-        process finds them (at close: what the pool still holds was never evicted)."""
+        """Write (hash, tokens, block id) of the pool's cached blocks to the directory and wait for every
+        write, so that the next process finds them (at close: what the pool still holds was never evicted)."""
         if self.disk is None:
             return
         for key, tokens, block_id in blocks:
-            if not self.disk.has(key) and not self.disk.put(key, tokens, self.pool.read(block_id)):
-                self.stats.kv_offload_write_errors += 1
-
+            if not self.disk.has(key):
+                self.disk.put(key, tokens, self.pool.read(block_id))
+        self.disk.flush()
 
 
 def tier_stats(tier: KVTier | None) -> dict[str, float]:
-    """The counters, the entries the directory refused and the bytes each tier holds; zeros without a tier."""
+    """The counters, the directory's (entries refused, writes failed, seconds reading) and the bytes each
+    tier holds; zeros without a tier."""
     ram, disk = (tier.ram, tier.disk) if tier is not None else (None, None)
     return {**asdict(tier.stats if tier is not None else TierStats()),
+            "kv_offload_read_seconds": disk.read_seconds if disk else 0.0,
+            "kv_offload_write_errors": disk.write_errors if disk else 0,
             "kv_offload_dropped_entries": disk.dropped if disk else 0,
             "kv_offload_ram_usage_bytes": ram.used if ram else 0,
             "kv_offload_disk_usage_bytes": disk.used if disk else 0}
@@ -369,4 +447,5 @@ def make_kv_tier(config: EngineConfig, model_path: Path, quantization: str, runn
                               config.tensor_parallel_size, config.torch_device.type)
         disk = DiskTier(Path(config.kv_offloading_dir), int(config.kv_offloading_disk_size * GIB), identity,
                         pool.nbytes)
+        disk.max_read_bytes = pool.num_blocks * pool.nbytes  # a prompt loads no more than the pool
     return KVTier(pool, ram, disk)

@@ -48,7 +48,7 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.startup import timed
 
 PromptType = str | list[int] | dict[str, Any]
-GRAMMAR_WAIT_S = 0.01  # with nothing to run but grammars compiling, how long a step waits for one
+IDLE_WAIT_S = 0.01  # with nothing to run but grammars compiling or KV tier reads, how long a step waits for one
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,7 @@ class LLMEngine:
                       # vLLM's: drafts verified, their tokens, and of those the ones accepted
                       "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
                       "spec_decode_num_accepted_tokens": 0}
+        self._counts_traced = (0,) * 5  # _spec_and_tier_counts() at the last step told to the observers
 
     def _max_model_len(self, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
@@ -311,11 +312,14 @@ class LLMEngine:
                 logger.exception("request %s: grammar failed to compile", seq.request_id)
                 self.abort_request(seq.request_id)
 
-    def _wait_for_grammars(self) -> None:
-        """Nothing could run: sleep until a grammar is ready (briefly, so new commands are not held up)."""
+    def _wait_for_work(self) -> None:
+        """Nothing could run: sleep until a grammar is compiled or a KV tier read is done (briefly, so new
+        commands are not held up)."""
         pending = [s.grammar_future for s in self._compiling if s.waiting_for_grammar]
+        if self.block_manager.tier is not None:
+            pending += self.block_manager.tier.pending_reads()
         if pending:
-            concurrent.futures.wait(pending, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(pending, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
@@ -329,7 +333,7 @@ class LLMEngine:
         self._aborted = []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            self._wait_for_grammars()
+            self._wait_for_work()
             return outputs
         t_scheduled = self.clock()
         # A decode always samples; a prefill chunk does once it completes the prompt.
@@ -440,13 +444,22 @@ class LLMEngine:
         stats["prompt_tokens"] += scheduled - decode
         if observers := self._observers:
             bm, t0 = self.block_manager, self.start_time
+            counts = self._spec_and_tier_counts()
             row = StepRow(stats["num_steps"], t_start - t0, self.clock() - t0,
                           scheduled + sched.num_padding_tokens, scheduled - decode,
                           decode, sched.num_padding_tokens, self.scheduler.num_running,
                           self.scheduler.num_waiting, bm.num_used_blocks, bm.num_blocks, len(sched.preempted),
-                          len(finished))
+                          len(finished), *(now - before for now, before in zip(counts, self._counts_traced)))
+            self._counts_traced = counts
             for observer in observers:
                 observer.record(row, sched, finished)
+
+    def _spec_and_tier_counts(self) -> tuple[int, ...]:
+        """The counters behind StepRow's last five columns, so far."""
+        stats, tier = self.stats, self.block_manager.tier
+        return (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
+                stats["spec_decode_num_accepted_tokens"], tier.stats.kv_offload_ram_hits if tier else 0,
+                tier.stats.kv_offload_disk_hits if tier else 0)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         seq.append_token(token)

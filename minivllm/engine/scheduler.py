@@ -265,6 +265,8 @@ class Scheduler(SchedulerBase):
             if self.block_manager.tier is not None and self._room_for(seq, seq.num_tokens - len(hits) * bs, hits):
                 # The blocks that follow, copied back from the KV tier (a fraction of what computing
                 # them costs); only for a prompt that fits, so that every load is used (kv_tier.py).
+                if self.block_manager.tier_reading(seq, hits):
+                    continue  # its blocks are being read from disk: the others go ahead meanwhile
                 hits = self.block_manager.load_from_tier(seq, hits)
             num_uncomputed = seq.num_tokens - len(hits) * bs
             n = self._chunk(seq, num_uncomputed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import asdict, astuple, dataclass, fields
+from dataclasses import MISSING, asdict, astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +34,16 @@ class StepRow:
     num_kv_blocks_total: int
     num_preempted: int
     num_finished: int
+    # Speculative decoding and the KV tier in this step (zeros without them):
+    num_drafts: int = 0  # sequences that verified a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_tier_ram_tokens: int = 0  # prompt tokens whose K/V the KV tier copied back from RAM
+    num_tier_disk_tokens: int = 0  # ... read back from its directory
 
 
 COLUMNS = [f.name for f in fields(StepRow)]
+REQUIRED_COLUMNS = {f.name for f in fields(StepRow) if f.default is MISSING}  # older traces lack the rest
 
 
 @dataclass

@@ -33,7 +33,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.sse import KEEPALIVE_COMMENT, EventSourceResponse, format_sse_event
 
 from minivllm.engine.live import LiveFeed
-from minivllm.engine.trace import COLUMNS
+from minivllm.engine.trace import COLUMNS, REQUIRED_COLUMNS
 
 POLL_S = 0.1  # how often a stream looks for new records: the page redraws at about this rate
 PING_S = 2.0  # an idle stream says it is alive (to proxies, and to readers waiting for a condition)
@@ -66,7 +66,7 @@ def load_trace(path: str | Path) -> Trace:
     elif csv_path.exists():
         with open(csv_path) as f:
             records = [{"kind": "step", **{k: float(v) for k, v in row.items()}} for row in csv.DictReader(f)]
-        if records and set(records[0]) != {"kind", *COLUMNS}:
+        if records and not REQUIRED_COLUMNS <= set(records[0]) - {"kind"} <= set(COLUMNS):
             raise ValueError(f"{csv_path}: not a step trace (the columns are {', '.join(COLUMNS)})")
     else:
         raise ValueError(f"{path}: no trace there (looked for {records_path.name} and {csv_path.name})")

@@ -76,6 +76,13 @@ class Panel {
     this.stat("kv-total", last ? last.num_kv_blocks_total : "?");
     this.stat("preempted", this.totals.preempted);
     this.stat("finished", this.totals.finished);
+    const sum = key => this.steps.reduce((total, s) => total + (s[key] || 0), 0);
+    const drafts = sum("num_drafts"), draftTokens = sum("num_draft_tokens"), accepted = sum("num_accepted_tokens");
+    this.stat("spec-drafts", drafts);
+    this.stat("spec-acceptance", draftTokens ? `${(100 * accepted / draftTokens).toFixed(1)} %` : "-");
+    this.stat("spec-length", drafts ? (1 + accepted / drafts).toFixed(2) : "-");
+    this.stat("tier-ram", sum("num_tier_ram_tokens"));
+    this.stat("tier-disk", sum("num_tier_disk_tokens"));
     const ttft = this.finished.map(f => f.ttft).filter(x => x !== null);
     const tpot = this.finished.map(f => f.tpot).filter(x => x !== null);
     this.stat("ttft-p50", ms(percentile(ttft, 50)));
