@@ -387,6 +387,26 @@ def test_serve_end_to_end(tmp_path, server_url):
         assert r["e2e"] == pytest.approx(r["ttft"] + sum(r["itl"]))
     assert m["tpot_ms"]["mean"] > 0 and m["itl_ms"]["mean"] > 0
     assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs: all good
+    assert res["greedy_exact"] is None and all(r["text"] for r in records)
+    (tmp_path / "again").mkdir()
+    again = run_json(tmp_path / "again", "serve", "--base-url", server_url, *TINY, "--compare-to",
+                     str(tmp_path / "result.json"))
+    assert again["greedy_exact"] is True  # the same greedy texts, request by request
+
+
+def test_agent_turns_resend_their_conversation_in_rotation() -> None:
+    from minivllm.bench.workloads import TextCorpus, agent_requests, load_tokenizer
+
+    corpus = TextCorpus(load_tokenizer(None)[0])
+    reqs = agent_requests(corpus, 7, 3, (200, 300), 40, (4, 8), np.random.default_rng(0))
+    assert [r.kind for r in reqs] == ["first"] * 3 + ["return"] * 4
+    assert all(200 <= r.prompt_len <= 300 for r in reqs[:3])
+    for i, r in enumerate(reqs[3:], 3):
+        previous = reqs[i - 3]
+        assert r.tenant == previous.tenant and r.prompt.startswith(previous.prompt)
+        # Its previous prompt's tokens come first (but the last, which the new text may extend).
+        assert r.prompt_token_ids[:previous.prompt_len - 1] == previous.prompt_token_ids[:-1]
+        assert 30 <= r.prompt_len - previous.prompt_len <= 50
 
 
 def test_scheduling_scenarios_show_chunked_steps_and_fair_rows(tmp_path):

@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.bench.metrics import parse_goodput, serving_metrics
     from minivllm.bench.report import serving_text
     from minivllm.bench.serve import (ServeTarget, counter_delta, counter_ratio, counter_totals, run_benchmark,
-                                      served_model)
+                                      same_texts, served_model)
 
     slos = parse_goodput(args.goodput or [])
     percentiles = [int(p) if p.is_integer() else p for p in map(float, args.metric_percentiles.split(","))]
@@ -115,12 +115,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
               f"{kv_tier['kv_offload_disk_hits']:.0f} from disk; {kv_tier['kv_offload_loaded_bytes'] / 2**20:.1f} MiB "
               f"copied in {kv_tier['kv_offload_load_seconds']:.3f} s in the steps "
               f"({kv_tier['kv_offload_read_seconds']:.3f} s of disk reads beside them)")
+    greedy_exact = same_texts(records, args.compare_to) if args.compare_to else None
+    if greedy_exact is not None:
+        print(f"Outputs {'equal' if greedy_exact else 'NOT equal'} to those of {args.compare_to}")
     for r in records:
         if not r.success:
             print(f"failed request: {r.error}", file=sys.stderr)
     write_json(args.output_json, {"workload": spec, "base_url": base_url, "model": target.model, "goodput": slos,
                                   "metrics": asdict(metrics), "prefix_cache_hit_rate": prefix_hit_rate,
-                                  **speculation, **kv_tier,
+                                  **speculation, **kv_tier, "greedy_exact": greedy_exact,
                                   "requests": requests_as_dicts(requests),
                                   "records": [asdict(r) for r in records]})
 
@@ -361,6 +364,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)")
     p.add_argument("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")
+    p.add_argument("--compare-to", default=None, metavar="JSON",
+                   help="another run's --output-json on the same workload: say whether every output is the same "
+                        "text (greedy_exact), e.g. with and without speculative decoding")
     _output_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -37,6 +37,7 @@ class RequestRecord:
     queue_time: float | None = None  # arrival -> first scheduled; only the engine knows it
     success: bool = True
     error: str = ""
+    text: str = ""  # what a streaming client received, to compare runs (bench serve --compare-to)
 
     @property
     def tpot(self) -> float | None:

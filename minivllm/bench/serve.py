@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from tqdm import tqdm
@@ -117,6 +118,7 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, req: Benc
     if usage_tokens is None:
         usage_tokens = len(tokenizer.encode(text, add_special_tokens=False))
     record.output_len = usage_tokens
+    record.text = text
     record.success = True
     return record
 
@@ -138,7 +140,8 @@ async def run_benchmark(target: ServeTarget, requests: list[BenchRequest], token
             bar.update(1)
             return record
 
-        probe = await send_request(client, target, requests[0], tokenizer, max_tokens=2)
+        # A prompt of its own: one of the workload's would be a prefix-cache hit when it runs.
+        probe = await send_request(client, target, BenchRequest("probe", "Hello", [], 2), tokenizer)
         if not probe.success:
             raise ValueError(f"the test request to {target.base_url} failed: {probe.error}")
         start = time.perf_counter()
@@ -152,3 +155,12 @@ async def run_benchmark(target: ServeTarget, requests: list[BenchRequest], token
         duration = time.perf_counter() - start
     bar.close()
     return list(records), duration
+
+
+def same_texts(records: list[RequestRecord], reference_json: str) -> bool:
+    """Whether every request received the text it received in the run that wrote `reference_json` (bench
+    serve --output-json, the same workload): greedy outputs with and without speculative decoding."""
+    reference = json.loads(Path(reference_json).read_text())["records"]
+    if len(reference) != len(records):
+        raise ValueError(f"{reference_json} holds {len(reference)} requests, this run {len(records)}")
+    return all(r.success and r.text == ref["text"] for r, ref in zip(records, reference))

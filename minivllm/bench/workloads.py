@@ -19,7 +19,7 @@ from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_pa
 from minivllm.model.tokenizer import Tokenizer, get_tokenizer
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
-DATASETS = ("fixed", "random", "shared-prefix", "grounded", "jsonl")
+DATASETS = ("fixed", "random", "shared-prefix", "grounded", "agent", "jsonl")
 # The project's reference workload (issues 2, 5 and 6): `--dataset fixed`.
 FIXED = {"num_prompts": 64, "seed": 0, "input_len_range": (16, 512), "output_len_range": (8, 256)}
 DEFAULT_NUM_PROMPTS = 64
@@ -262,6 +262,25 @@ def grounded_requests(corpus: TextCorpus, n: int, rng: np.random.Generator) -> l
     return requests
 
 
+def agent_requests(corpus: TextCorpus, n: int, num_contexts: int, context_range: tuple[int, int], turn_len: int,
+                   output_range: tuple[int, int], rng: np.random.Generator) -> list[BenchRequest]:
+    """`n` turns of `num_contexts` long conversations taken in rotation, as an agent that switches
+    between tasks sends them: a conversation starts with a context of `context_range` tokens, and each
+    later turn re-sends it all with `turn_len` new tokens (text of the corpus stands in for the answer
+    and the next message). A turn's prompt starts with its conversation's previous prompt, so it finds
+    that prefix cached, if a cache still holds it. Kinds: "first" (a conversation's first turn), "return"."""
+    texts = [corpus.window(int(rng.integers(lo, hi + 1)), rng)[0] for lo, hi in [context_range] * num_contexts]
+    requests = []
+    for i in range(n):
+        c = i % num_contexts
+        if i >= num_contexts:
+            texts[c] += "\n\n" + corpus.window(turn_len, rng)[0]
+        output_len = int(rng.integers(output_range[0], output_range[1] + 1))
+        requests.append(BenchRequest(str(i), texts[c], corpus.tokenizer.encode(texts[c]), output_len,
+                                     kind="first" if i < num_contexts else "return", tenant=f"context-{c}"))
+    return requests
+
+
 def mixed_requests(corpus: TextCorpus, n: int, long_fraction: float, short_input: tuple[int, int],
                    short_output: tuple[int, int], long_input: tuple[int, int], long_output: tuple[int, int],
                    rng: np.random.Generator) -> list[BenchRequest]:
@@ -301,7 +320,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                         "8..256 tokens, greedy, ignore_eos); random: lengths from the flags below; "
                         "shared-prefix: prompts that share --prefix-len tokens; grounded: chat requests whose "
                         "answer is mostly in their input (function edits, bug fixes, quoting summaries, "
-                        "multi-turn edits; output lengths from the answers); jsonl: --dataset-path")
+                        "multi-turn edits; output lengths from the answers); agent: turns of --num-prefixes long "
+                        "conversations in rotation, contexts of --input-len-range tokens, each turn adding "
+                        "--turn-len; jsonl: --dataset-path")
     g.add_argument("--dataset-path", default=None, help='JSONL file, one {"prompt": ..., "output_len": ...} a line')
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"number of requests (default: {DEFAULT_NUM_PROMPTS}; the whole file for jsonl)")
@@ -315,7 +336,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len-range", type=parse_range, default=None, metavar="MIN:MAX",
                    help="output lengths uniform in MIN..MAX (overrides --output-len and --range-ratio)")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of the common prefix")
-    g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: how many distinct prefixes")
+    g.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: how many distinct prefixes; agent: how many conversations")
+    g.add_argument("--turn-len", type=int, default=128, help="agent: tokens each turn adds to its conversation")
 
 
 def workload_spec(args: argparse.Namespace) -> dict:
@@ -338,6 +361,8 @@ def workload_spec(args: argparse.Namespace) -> dict:
                     output_len_range=args.output_len_range or range_around(args.output_len, args.range_ratio))
     if args.dataset == "shared-prefix":
         spec.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
+    if args.dataset == "agent":
+        spec.update(num_prefixes=args.num_prefixes, turn_len=args.turn_len)
     return spec
 
 
@@ -350,6 +375,8 @@ def build_workload(spec: dict, tokenizer: Tokenizer, rng: np.random.Generator) -
     n, inputs, outputs = spec["num_prompts"], spec["input_len_range"], spec["output_len_range"]
     if spec["dataset"] == "shared-prefix":
         return shared_prefix_requests(corpus, n, spec["prefix_len"], spec["num_prefixes"], inputs, outputs, rng)
+    if spec["dataset"] == "agent":
+        return agent_requests(corpus, n, spec["num_prefixes"], inputs, spec["turn_len"], outputs, rng)
     return random_requests(corpus, n, inputs, outputs, rng)
 
 
