@@ -394,6 +394,16 @@ def test_serve_end_to_end(tmp_path, server_url):
     assert again["greedy_exact"] is True  # the same greedy texts, request by request
 
 
+def test_throughput_with_speculation_checks_seeded_outputs(tmp_path):
+    """bench throughput with --speculative-config reruns the workload without it and says whether the
+    outputs are the same: here seeded sampling (--temperature), which speculation keeps exact too."""
+    res = run_json(tmp_path, "throughput", "--dataset", "grounded", "--num-prompts", "1", "--max-num-seqs", "1",
+                   "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 6}',
+                   "--temperature", "0.7", "--disable-tqdm")
+    r = res["result"]
+    assert r["greedy_exact"] is True and r["spec_mean_accepted_length"] > 1
+
+
 def test_agent_turns_resend_their_conversation_in_rotation() -> None:
     from minivllm.bench.workloads import TextCorpus, agent_requests, load_tokenizer
 

@@ -41,7 +41,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         result, requests = run_hf(config, spec, args.hf_batch_size, tokenizer, not args.disable_tqdm)
     else:
         result, requests, model_config = run_minivllm(config, spec, not args.disable_tqdm,
-                                                      args.structured_output_ratio)
+                                                      args.structured_output_ratio, args.temperature)
     print(result.text())
     out = {"workload": spec, "engine": asdict(config), "result": result.to_dict(),
            "requests": requests_as_dicts(requests)}
@@ -334,6 +334,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--structured-output-ratio", type=float, default=0.0,
                    help="share of requests constrained by a JSON schema (structured outputs), the rest "
                         "unconstrained in the same run (default: 0)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature, each request with its own seed (the workload's seed plus "
+                        "its index), instead of greedy: seeded outputs are compared like greedy ones")
     p.add_argument("--roofline", action="store_true",
                    help="also measure this machine's roofline and report the run as a share of it")
     _output_args(p)

@@ -106,11 +106,13 @@ def structured_params(requests: list[BenchRequest], ratio: float) -> list[Sampli
             if int((i + 1) * ratio) > int(i * ratio) else r.sampling_params() for i, r in enumerate(requests)]
 
 
-def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True, structured_output_ratio: float = 0.0
-                 ) -> tuple[ThroughputResult, list[BenchRequest], ModelConfig]:
+def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True, structured_output_ratio: float = 0.0,
+                 temperature: float = 0.0) -> tuple[ThroughputResult, list[BenchRequest], ModelConfig]:
     llm = LLM(**vars(config))
     requests = build_workload(spec, llm.engine.tokenizer, np.random.default_rng(spec["seed"]))
     params = structured_params(requests, structured_output_ratio)
+    if temperature > 0:  # seeded: speculative decoding promises these the same tokens too
+        params = [replace(p, temperature=temperature, seed=spec["seed"] + i) for i, p in enumerate(params)]
     if structured_output_ratio:  # compile the grammar before the clock starts, as a server's cache would have it
         llm.engine.structured_output.compile(StructuredOutputsParams(json=BENCH_SCHEMA)).result()
     warm_up(llm.engine)
