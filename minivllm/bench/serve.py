@@ -50,12 +50,14 @@ def counter_totals(base_url: str) -> dict[str, float] | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    except httpx.HTTPError:
+        resp = httpx.get(f"{base_url}/metrics", timeout=30)
+        resp.raise_for_status()
+        totals = {family.name.removeprefix("minivllm:"): sum(s.value for s in family.samples
+                                                             if s.name.endswith("_total"))
+                  for family in text_string_to_metric_families(resp.text)
+                  if family.name.startswith("minivllm:") and family.type == "counter"}
+    except (httpx.HTTPError, ValueError):  # another server's metrics (llama-server's are off by default)
         return None
-    totals = {family.name.removeprefix("minivllm:"): sum(s.value for s in family.samples if s.name.endswith("_total"))
-              for family in text_string_to_metric_families(text)
-              if family.name.startswith("minivllm:") and family.type == "counter"}
     return totals or None
 
 
