@@ -25,12 +25,12 @@
 
 #if defined(SIMD)
 
-#define PANEL 32      /* output columns per panel: two 16-lane vectors (AVX-512), four 8-lane ones (AVX2) */
+#define PANEL 32      /* output columns per panel: 2 vectors of 16 lanes (AVX-512), 4 of 8 (AVX2), 8 of 4 (NEON) */
 #define PV (PANEL / LANES)
 #if defined(SIMD_AVX512)
 #define MAX_ROWS 12   /* rows per tile: 24 accumulators + 2 weight vectors of the 32 zmm registers */
 #else
-#define MAX_ROWS 3    /* 12 accumulators + a weight vector or two of the 16 ymm registers */
+#define MAX_ROWS 3    /* AVX2: 12 accumulators + 4 weight vectors of the 16 ymm; NEON: 24 + 8 of 32 q registers */
 #endif
 #define ROW_BLOCK 96  /* rows of x a thread works through per panel, while the panel sits in L2 */
 #define PREFETCH 1024 /* bytes ahead in the panel's weight stream: DRAM latency at a few rows */

@@ -74,9 +74,9 @@ static inline int64_t superblock_bytes(const Format *f) { return (int64_t)(f->sb
 #define QPAIR_ROWS 6  /* rows per two-panel tile: 12 accumulators + 12 integer sums + 4 weight vectors */
 #define QPAIRS 1      /* sub-1 formats run two panels per unit, sharing each activation broadcast */
 #else
-#define QMAX_ROWS 4   /* a panel row is two ymm: 8 integer sums + 4 weight vectors of the 16 registers */
-#define QPAIR_ROWS 1
-#define QPAIRS 0      /* two panels' sums would not fit the 16 registers: one panel per unit */
+#define QMAX_ROWS 4   /* a panel row is two ymm (AVX2: 8 integer sums + 4 weight vectors of 16 registers) or */
+#define QPAIR_ROWS 1  /* four q registers (NEON: 16 + 8 of 32) */
+#define QPAIRS 0      /* two panels' sums would not fit the registers: one panel per unit */
 #endif
 #define QROW_BLOCK 64 /* rows of x a thread works through per unit, while its decoded chunk sits in L1 */
 #define CHUNK 8       /* 32-k blocks decoded at a time */

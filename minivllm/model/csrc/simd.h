@@ -5,6 +5,8 @@
  *   avx512  AVX512F/BW/VNNI/BF16 (Sapphire Rapids, Zen 4): vpdpbusd and vdpbf16ps on 512-bit vectors
  *   avx2    AVX2 + FMA + F16C (x86-64-v3): 256-bit vectors; vpdpbusd where the target has AVX-VNNI
  *           (Alder Lake on) or AVX512-VNNI (Ice Lake), else vpmaddubsw + vpmaddwd, kept exact
+ *   neon    AArch64 with the dot-product extension (armv8.2-a+dotprod): 128-bit vectors; usdot where
+ *           the target has i8mm, else sdot on bytes made signed, kept exact
  * A target with none of these builds no GEMM: kernels.py then reports them as torch's.
  *
  * `vec` is one native vector of LANES float32, `ivec` one of the same width seen as bytes or as LANES
@@ -23,6 +25,8 @@
 #define SIMD_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SIMD_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define SIMD_NEON 1
 #endif
 
 #if defined(SIMD_AVX512) || defined(SIMD_AVX2)
@@ -213,6 +217,125 @@ static inline int32_t ivec_reduce_add32(ivec a) {
 static inline void ivec_store_i8(int8_t *p, ivec a) {  /* values within int8: the packs saturate nothing */
     const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w, w));
+}
+#elif defined(SIMD_NEON)
+#include <arm_neon.h>
+#define SIMD 1
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define SIMD_NAME "neon+i8mm"
+#else
+#define SIMD_NAME "neon"
+#endif
+#define LANES 4
+typedef float32x4_t vec;
+typedef uint8x16_t ivec;
+
+/* FPCR.FZ: denormal inputs and outputs flushed, as MXCSR's DAZ and FTZ do on x86. */
+static inline unsigned denormals_off(void) {
+    uint64_t fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    __asm__ volatile("msr fpcr, %0" : : "r"(fpcr | (1u << 24)));
+    return (unsigned)fpcr;
+}
+static inline void denormals_restore(unsigned fpcr) { __asm__ volatile("msr fpcr, %0" : : "r"((uint64_t)fpcr)); }
+
+/* a / b rounded once, in an instruction -ffast-math cannot turn into a * (1 / b) (see the x86 one). */
+static inline float exact_div(float a, float b) {
+    float r;
+    __asm__("fdiv %s0, %s1, %s2" : "=w"(r) : "w"(a), "w"(b));
+    return r;
+}
+
+static inline vec vec_load(const float *p) { return vld1q_f32(p); }
+static inline void vec_store(float *p, vec v) { vst1q_f32(p, v); }
+static inline vec vec_set1(float x) { return vdupq_n_f32(x); }
+static inline vec vec_zero(void) { return vdupq_n_f32(0.f); }
+static inline vec vec_add(vec a, vec b) { return vaddq_f32(a, b); }
+static inline vec vec_sub(vec a, vec b) { return vsubq_f32(a, b); }
+static inline vec vec_mul(vec a, vec b) { return vmulq_f32(a, b); }
+static inline vec vec_fmadd(vec a, vec b, vec c) { return vfmaq_f32(c, a, b); }  /* fused, as x86's FMA */
+static inline vec vec_abs(vec a) { return vabsq_f32(a); }
+static inline vec vec_max(vec a, vec b) { return vmaxq_f32(a, b); }
+static inline float vec_reduce_max(vec a) { return vmaxvq_f32(a); }
+static inline vec vec_bits(ivec a) { return vreinterpretq_f32_u8(a); }
+static inline vec vec_from_ivec(ivec a) { return vcvtq_f32_s32(vreinterpretq_s32_u8(a)); }
+static inline vec vec_from_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+static inline vec vec_from_half(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+static inline vec vec_load_n(const float *p, int n) {
+    float buf[LANES] = {0};
+    memcpy(buf, p, sizeof(float) * (size_t)(n < LANES ? n : LANES));
+    return vec_load(buf);
+}
+static inline void vec_store_n(float *p, vec v, int n) {
+    float buf[LANES];
+    vec_store(buf, v);
+    memcpy(p, buf, sizeof(float) * (size_t)(n < LANES ? n : LANES));
+}
+static inline void vec_store_bf16_n(uint16_t *p, vec v, int n) {  /* round to nearest even: bf16.h's rule */
+    const uint32x4_t bits = vreinterpretq_u32_f32(v);
+    const uint32x4_t odd = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+    uint16_t buf[LANES];
+    vst1_u16(buf, vshrn_n_u32(vaddq_u32(bits, vaddq_u32(vdupq_n_u32(0x7FFF), odd)), 16));
+    memcpy(p, buf, sizeof(uint16_t) * (size_t)(n < LANES ? n : LANES));
+}
+
+static inline ivec ivec_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
+static inline void ivec_store(void *p, ivec v) { vst1q_u8((uint8_t *)p, v); }
+static inline ivec ivec_zero(void) { return vdupq_n_u8(0); }
+static inline ivec ivec_or(ivec a, ivec b) { return vorrq_u8(a, b); }
+static inline ivec ivec_and8(ivec a, uint8_t c) { return vandq_u8(a, vdupq_n_u8(c)); }
+/* Shifts by a register (a negative count shifts right): the counts need not be literals. */
+static inline ivec ivec_shr16(ivec a, int n) {
+    return vreinterpretq_u8_u16(vshlq_u16(vreinterpretq_u16_u8(a), vdupq_n_s16((int16_t)-n)));
+}
+static inline ivec ivec_shl16(ivec a, int n) {
+    return vreinterpretq_u8_u16(vshlq_u16(vreinterpretq_u16_u8(a), vdupq_n_s16((int16_t)n)));
+}
+static inline ivec ivec_add8_where(ivec w, ivec v, uint8_t bit, uint8_t add) {
+    return vaddq_u8(w, vandq_u8(vtstq_u8(v, vdupq_n_u8(bit)), vdupq_n_u8(add)));
+}
+static inline ivec ivec_lut8(const uint8_t *table, ivec v) { return vqtbl1q_u8(vld1q_u8(table), v); }
+/* usdot (i8mm) is vpdpbusd's unsigned-by-signed product. Without it, sdot multiplies signed bytes: u
+ * below 128 are the same bytes signed; `wide` formats' u (up to 255) go in as u - 128, and 128 times the
+ * activations' sum is added back. Exact either way. */
+static inline ivec ivec_dot4(ivec acc, ivec u, int32_t x4, int wide) {
+    const int8x16_t x = vreinterpretq_s8_s32(vdupq_n_s32(x4));
+    const int32x4_t a = vreinterpretq_s32_u8(acc);
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+    (void)wide;
+    return vreinterpretq_u8_s32(vusdotq_s32(a, u, x));
+#else
+    if (!wide) return vreinterpretq_u8_s32(vdotq_s32(a, vreinterpretq_s8_u8(u), x));
+    const int32_t sum = (int8_t)x4 + (int8_t)(x4 >> 8) + (int8_t)(x4 >> 16) + (int8_t)(x4 >> 24);
+    const int32x4_t shifted = vdotq_s32(a, vreinterpretq_s8_u8(veorq_u8(u, vdupq_n_u8(0x80))), x);
+    return vreinterpretq_u8_s32(vaddq_s32(shifted, vdupq_n_s32(128 * sum)));
+#endif
+}
+static inline ivec ivec_add32(ivec a, ivec b) {
+    return vreinterpretq_u8_s32(vaddq_s32(vreinterpretq_s32_u8(a), vreinterpretq_s32_u8(b)));
+}
+static inline ivec ivec_and32(ivec a, uint32_t c) {
+    return vreinterpretq_u8_u32(vandq_u32(vreinterpretq_u32_u8(a), vdupq_n_u32(c)));
+}
+static inline ivec ivec_shl32(ivec a, int n) {
+    return vreinterpretq_u8_u32(vshlq_u32(vreinterpretq_u32_u8(a), vdupq_n_s32(n)));
+}
+static inline ivec ivec_shr32(ivec a, int n) {
+    return vreinterpretq_u8_u32(vshlq_u32(vreinterpretq_u32_u8(a), vdupq_n_s32(-n)));
+}
+static inline int32x4_t widen4_s8(const void *p) {  /* 4 bytes exactly: a row's last read ends at its end */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v)))));
+}
+static inline ivec ivec_from_i8(const void *p) { return vreinterpretq_u8_s32(widen4_s8(p)); }
+static inline ivec ivec_from_u8(const void *p) { return ivec_and32(ivec_from_i8(p), 0xFF); }
+static inline ivec ivec_round(vec a) { return vreinterpretq_u8_s32(vcvtnq_s32_f32(a)); }  /* to nearest even */
+static inline int32_t ivec_reduce_add32(ivec a) { return vaddvq_s32(vreinterpretq_s32_u8(a)); }
+static inline void ivec_store_i8(int8_t *p, ivec a) {  /* values within int8 */
+    const int16x4_t h = vmovn_s32(vreinterpretq_s32_u8(a));
+    const int32_t v = vget_lane_s32(vreinterpret_s32_s8(vmovn_s16(vcombine_s16(h, h))), 0);
+    memcpy(p, &v, 4);
 }
 #endif
 
