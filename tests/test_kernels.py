@@ -160,7 +160,8 @@ def test_report_names_the_target_and_what_falls_back(cpu_target):
                         "torch for: quantized GEMM, GEMM, layer loop")
     else:
         assert line == f"minivllm: kernels for {cpu_target} ({section}): {families}; torch for: nothing"
-    assert report(torch.device("cpu"), torch.float16) == f"minivllm: kernels for {cpu_target}: nothing; torch for: {families}"
+    float16 = report(torch.device("cpu"), torch.float16)
+    assert float16 == f"minivllm: kernels for {cpu_target}: nothing; torch for: {families}"
 
 
 def test_torch_fallback_gives_the_same_tokens(llm):

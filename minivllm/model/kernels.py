@@ -58,21 +58,25 @@ def cpu_arch() -> str:
     return os.environ.get(ARCH_ENV) or "native"
 
 
-def compile_flags(arch: str) -> list[str]:
+def compile_flags(arch: str, machine: str = platform.machine()) -> list[str]:
+    """The C compiler's flags for -march=`arch` on `machine` (another one's: a cross build, tests/arm_kernels.py)."""
     # 512-bit vectors where the target has AVX-512 (GCC would otherwise prefer 256); x86 compilers only.
-    wide = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
+    wide = ["-mprefer-vector-width=512"] if machine in ("x86_64", "AMD64") else []
     return ["-O3", f"-march={arch}", *wide, "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 
 
-@functools.lru_cache(maxsize=None)
 def library_key(arch: str | None = None) -> str:
-    """A hash of what the native library for `arch` (default: cpu_arch()) is built from: its sources,
-    the compiler, the flags with the target, and this CPU (-march=native makes it valid for this CPU
-    model only). It names the library, and what depends on the kernels' rounding (the KV tier's disk
-    entries)."""
+    """A hash of what the native library for `arch` (default: cpu_arch(), read now) is built from: its
+    sources, the compiler, the flags with the target, and this CPU (-march=native makes it valid for
+    this CPU model only). It names the library, and what depends on the kernels' rounding (the KV
+    tier's disk entries)."""
+    return _library_key(arch or cpu_arch())
+
+
+@functools.lru_cache(maxsize=None)
+def _library_key(arch: str) -> str:
     code = b"".join(f.read_bytes() for f in sorted([*SOURCES, *CSRC.glob("*.h")]))
-    flags = compile_flags(arch or cpu_arch())
-    key = code + " ".join([_compiler() or "", *flags, *LINK_FLAGS, _cpu()]).encode()
+    key = code + " ".join([_compiler() or "", *compile_flags(arch), *LINK_FLAGS, _cpu()]).encode()
     return hashlib.sha256(key).hexdigest()[:16]
 
 
@@ -146,17 +150,12 @@ FAMILIES = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_la
             "paged attention": "paged_attention", "layer ops": "add_rms_norm"}
 
 
-def native_families(lib: ctypes.CDLL | None, dtype: torch.dtype) -> list[str]:
-    """The families `lib` has for activations of `dtype`."""
-    suffix = _DTYPE_SUFFIX.get(dtype)
-    return [name for name, fn in FAMILIES.items() if lib is not None and hasattr(lib, f"{fn}_{suffix}")]
-
-
 def report(device: torch.device, dtype: torch.dtype) -> str:
     """One line for the start of the engine and `bench roofline`: the target (and simd.h's section),
     the kernel families that run natively, and those that fall back to torch."""
     lib = _cpu_library(device, dtype)
-    native = native_families(lib, dtype)
+    native = [name for name, fn in FAMILIES.items()
+              if lib is not None and hasattr(lib, f"{fn}_{_DTYPE_SUFFIX[dtype]}")]
     fallback = [name for name in FAMILIES if name not in native]
     target = f"{cpu_arch()} ({lib.simd_target().decode()})" if lib is not None else cpu_arch()
     if device.type != "cpu":

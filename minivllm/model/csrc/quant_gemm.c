@@ -7,8 +7,9 @@
  * of 16 or 32 k, from unsigned integers v in bit planes and its own scales.
  *
  * The activations are quantized per row and per 32 k, the way llama.cpp does for its VNNI dot
- * products: dx = amax / 127, x8 = round(x / dx). Then each group is one integer dot product (AVX512-VNNI
- * vpdpbusd: unsigned weight bytes x signed activation bytes, 64 products per instruction), and
+ * products: dx = amax / 127, x8 = round(x / dx). Then each group is one integer dot product (vpdpbusd:
+ * unsigned weight bytes x signed activation bytes, 64 products per AVX-512 instruction; simd.h's
+ * ivec_dot4 gives the same exact sums on AVX2 and NEON), and
  *     out[n] = sum over groups, in k order: (d * dx) * isum + m * (dx * sum of x8)
  * in float32. A row's quantization and sums depend on that row alone, and the integer sums are exact,
  * so a row's result is the same bits whether the call has 1 row or 2,048 (issue 12), and a token is
@@ -21,6 +22,10 @@
  * run every tile of rows of the block over it, the tile's accumulators in registers within the chunk:
  * a prefill pays the decoding once per 64 rows. Both do the same integer sums and float steps per block,
  * so a row's bits do not depend on which one ran.
+ *
+ * Targets: the code is written once over simd.h's primitives, a panel row of 16 columns being 1, 2 or 4
+ * native vectors (AVX-512, AVX2, NEON); only the tile sizes differ (the registers). Every target does the
+ * same integer sums and the same float32 steps per output, so the results are the same bits on each.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -92,7 +97,9 @@ static inline pints pints_load(const uint8_t *p) {
     for (int i = 0; i < QV; i++) r.v[i] = ivec_load(p + 64 / QV * i);
     return r;
 }
-static inline void pints_store(uint8_t *p, pints a) { for (int i = 0; i < QV; i++) ivec_store(p + 64 / QV * i, a.v[i]); }
+static inline void pints_store(uint8_t *p, pints a) {
+    for (int i = 0; i < QV; i++) ivec_store(p + 64 / QV * i, a.v[i]);
+}
 static inline pints pints_zero(void) {
     pints r;
     for (int i = 0; i < QV; i++) r.v[i] = ivec_zero();
@@ -123,16 +130,17 @@ static inline pfloats pfloats_of(pints a) {
     for (int i = 0; i < QV; i++) r.v[i] = vec_from_ivec(a.v[i]);
     return r;
 }
-/* acc's column sums += u's 4 bytes per column (unsigned) . the row's 4 activations at xq (signed). */
-static inline pints pints_dot4(pints acc, pints u, const int8_t *xq, int wide) {
+/* part's column sums += u's 4 bytes per column (unsigned) . the row's 4 activations at xq (signed): a
+ * part of at most part_groups groups (simd.h's ivec_dot4), then added to int32 sums by pints_add_part. */
+static inline pints pints_dot4(pints part, pints u, const int8_t *xq, int wide) {
     int32_t x4;
     memcpy(&x4, xq, 4);
-    for (int i = 0; i < QV; i++) acc.v[i] = ivec_dot4(acc.v[i], u.v[i], x4, wide);
-    return acc;
+    for (int i = 0; i < QV; i++) part.v[i] = ivec_dot4(part.v[i], u.v[i], x4, wide);
+    return part;
 }
-static inline pints pints_add(pints a, pints b) {
-    for (int i = 0; i < QV; i++) a.v[i] = ivec_add32(a.v[i], b.v[i]);
-    return a;
+static inline pints pints_add_part(pints sum, pints part, int wide) {
+    for (int i = 0; i < QV; i++) sum.v[i] = ivec_add32(sum.v[i], ivec_part_sum(part.v[i], wide));
+    return sum;
 }
 
 static inline int64_t qmin64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -210,7 +218,8 @@ static inline __attribute__((always_inline)) void decode_regs(const Format f, co
     if (high == 1) {  /* bit g of each byte is group g's */
         const pints v = pints_load(upper);
         for (int g = 0; g < 8; g++)
-            for (int i = 0; i < QV; i++) w[g].v[i] = ivec_add8_where(w[g].v[i], v.v[i], (uint8_t)(1 << g), (uint8_t)(1 << low));
+            for (int i = 0; i < QV; i++)
+                w[g].v[i] = ivec_add8_where(w[g].v[i], v.v[i], (uint8_t)(1 << g), (uint8_t)(1 << low));
     } else if (high == 2) {  /* Q6_K's bits 4-5: each 2-bit field moved to bits 4-5 by one shift, then masked */
         for (int t = 0; t < 2; t++) {
             const pints v = pints_load(upper + 64 * t);
@@ -317,14 +326,14 @@ static void decode_any(int qtype, const uint8_t *panel, int64_t kb, int nb, uint
  * the tile, so its bits do not depend on np or on the rows beside it. */
 static inline __attribute__((always_inline)) void tile_sub1(
         const int8_t *x8, const float *meta, int64_t K, int64_t kb, int nb, const uint8_t *dec, int64_t chunk_bytes,
-        int np, int rows, int wide, float *acc_mem) {
+        int np, int rows, int span, int wide, float *acc_mem) {
     const int64_t blocks = K / 32;
     pfloats acc[2 * QMAX_ROWS];
     for (int i = 0; i < rows * np; i++) acc[i] = pfloats_load(acc_mem + 16 * i);
     for (int i = 0; i < nb; i++) {
         const int64_t b = kb + i;
-        pints isum[2 * QMAX_ROWS];
-        for (int j = 0; j < rows * np; j++) isum[j] = pints_zero();
+        pints isum[2 * QMAX_ROWS], part[2 * QMAX_ROWS];  /* part: the groups since the last pints_add_part */
+        for (int j = 0; j < rows * np; j++) isum[j] = part[j] = pints_zero();
         for (int t = 0; t < 4; t++) {
             pints lo[2], hi[2];  /* groups t and t + 4 of each panel */
             for (int p = 0; p < np; p++) {
@@ -334,9 +343,15 @@ static inline __attribute__((always_inline)) void tile_sub1(
             }
             for (int r = 0; r < rows; r++) {
                 const int8_t *xq = x8 + r * K + b * 32;
-                for (int p = 0; p < np; p++) isum[r * np + p] = pints_dot4(isum[r * np + p], lo[p], xq + 4 * t, wide);
-                for (int p = 0; p < np; p++) isum[r * np + p] = pints_dot4(isum[r * np + p], hi[p], xq + 4 * (t + 4), wide);
+                for (int p = 0; p < np; p++) part[r * np + p] = pints_dot4(part[r * np + p], lo[p], xq + 4 * t, wide);
+                for (int p = 0; p < np; p++)
+                    part[r * np + p] = pints_dot4(part[r * np + p], hi[p], xq + 4 * (t + 4), wide);
             }
+            if (2 * (t + 1) % span == 0)  /* 2 (t + 1) groups so far */
+                for (int j = 0; j < rows * np; j++) {
+                    isum[j] = pints_add_part(isum[j], part[j], wide);
+                    part[j] = pints_zero();
+                }
         }
         pfloats d[2], m[2];
         for (int p = 0; p < np; p++) {
@@ -357,14 +372,15 @@ static inline __attribute__((always_inline)) void tile_sub1(
     for (int i = 0; i < rows * np; i++) pfloats_store(acc_mem + 16 * i, acc[i]);
 }
 
-/* The integer dot product of one row's 16 activations (groups g0 .. g0 + 3) with a panel block. */
+/* The integer dot product of one row's 16 activations (groups g0 .. g0 + 3) with a panel block: two
+ * chains (latency) of two groups, a part each (part_groups is at least 2). */
 static inline __attribute__((always_inline)) pints dot_groups(const pints *w, const int8_t *xq, int g0, int wide) {
-    pints even = pints_zero(), odd = pints_zero();  /* two chains: latency */
+    pints even = pints_zero(), odd = pints_zero();
     for (int g = g0; g < g0 + 4; g += 2) {
         even = pints_dot4(even, w[g], xq + 4 * g, wide);
         odd = pints_dot4(odd, w[g + 1], xq + 4 * (g + 1), wide);
     }
-    return pints_add(even, odd);  /* integer: exact in any order */
+    return pints_add_part(pints_add_part(pints_zero(), even, wide), odd, wide);  /* integer: exact in any order */
 }
 
 /* acc[r] += a chunk for `rows` rows of one panel with a (d, m) per 16 k (sub 2). */
@@ -416,10 +432,14 @@ static inline __attribute__((always_inline)) void row_fused(const Format f, cons
             pfloats d[2], m[2];
             decode_regs(f, src, (int)(b % per_sb), w, d, m);
             if (sub == 1) {
-                pints isum = pints_zero();
+                pints isum = pints_zero(), part = pints_zero();
                 for (int t = 0; t < 4; t++) {
-                    isum = pints_dot4(isum, w[t], xq + 4 * t, wide(f));
-                    isum = pints_dot4(isum, w[t + 4], xq + 4 * (t + 4), wide(f));
+                    part = pints_dot4(part, w[t], xq + 4 * t, wide(f));
+                    part = pints_dot4(part, w[t + 4], xq + 4 * (t + 4), wide(f));
+                    if (2 * (t + 1) % part_groups(f.bits, wide(f)) == 0) {
+                        isum = pints_add_part(isum, part, wide(f));
+                        part = pints_zero();
+                    }
                 }
                 acc[p] = pfloats_fmadd(pfloats_of(isum), pfloats_mul(d[0], dx), acc[p]);
                 acc[p] = pfloats_fmadd(m[0], pfloats_set1(mt[1]), acc[p]);
@@ -445,8 +465,9 @@ static void row_any(int qtype, const int8_t *x8, const float *meta, int64_t K, c
     }
 }
 
-/* One tile, dispatched to a copy with literal rows, panels and width so that its loops unroll into registers. */
-#define SUB1(R, NP, WIDE) tile_sub1(x8, meta, K, kb, nb, dec, chunk_bytes, NP, R, WIDE, acc)
+/* One tile, dispatched to a copy with literal rows, panels, part span and width so that its loops unroll
+ * into registers. */
+#define SUB1(R, NP, WIDE) tile_sub1(x8, meta, K, kb, nb, dec, chunk_bytes, NP, R, span, WIDE, acc)
 #define SUB2(R, NP, WIDE) tile_sub2(x8, meta, K, kb, nb, dec, R, WIDE, acc)
 #define ROWS(F, NP, WIDE, MAX)                                                                     \
     switch (rows < MAX ? rows : MAX) {                                                             \
@@ -464,17 +485,28 @@ static void row_any(int qtype, const int8_t *x8, const float *meta, int64_t K, c
         ROWS(SUB1, 1, WIDE, QMAX_ROWS)                                                             \
     }
 static void tile_any(const int8_t *x8, const float *meta, int64_t K, int64_t kb, int nb, const uint8_t *dec,
-                     int64_t chunk_bytes, int np, int sub, int is_wide, int rows, float *acc) {
+                     int64_t chunk_bytes, int np, int sub, int bits, int is_wide, int rows, float *acc) {
+    const int groups = part_groups(bits, is_wide);  /* 8 but for 5 and 6 bits on AVX2 without VNNI */
     if (is_wide) {
+        const int span = 8;
         TILES(1)
+    } else if (groups == 2) {
+        const int span = 2;
+        TILES(0)
+    } else if (groups == 4) {
+        const int span = 4;
+        TILES(0)
     } else {
+        const int span = 8;
         TILES(0)
     }
 }
 
 /* Work units: a pair of panels (sub 1, where the target has the registers) or one panel (sub 2, or sub
  * 1's last panel when their count is odd). */
-static inline int unit_panels(int sub, int64_t panels, int64_t pn) { return QPAIRS && sub == 1 && pn + 1 < panels ? 2 : 1; }
+static inline int unit_panels(int sub, int64_t panels, int64_t pn) {
+    return QPAIRS && sub == 1 && pn + 1 < panels ? 2 : 1;
+}
 
 #define QGEMM(S, T, STORE_N)                                                                       \
 void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,           \
@@ -513,7 +545,7 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
                     for (int64_t r0 = m0; r0 < m_end; r0 += tile_rows) {                           \
                         const int rows = (int)qmin64(tile_rows, m_end - r0);                       \
                         tile_any(x8 + r0 * K, meta + r0 * blocks * META, K, kb, nb, dec, chunk_bytes, np, \
-                                 sub, wide(f), rows, acc + (r0 - m0) * np * QPANEL);               \
+                                 sub, f.bits, wide(f), rows, acc + (r0 - m0) * np * QPANEL);       \
                     }                                                                              \
                 }                                                                                  \
                 }                                                                                  \

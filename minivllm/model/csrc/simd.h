@@ -85,16 +85,19 @@ static inline ivec ivec_shr16(ivec a, int n) { return _mm512_srli_epi16(a, n); }
 static inline ivec ivec_shl16(ivec a, int n) { return _mm512_slli_epi16(a, n); }
 /* w + add in each byte where v has `bit`: a byte mask, off the shift port. */
 static inline ivec ivec_add8_where(ivec w, ivec v, uint8_t bit, uint8_t add) {
-    return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(v, _mm512_set1_epi8((char)bit)), w, _mm512_set1_epi8((char)add));
+    const __mmask64 where = _mm512_test_epi8_mask(v, _mm512_set1_epi8((char)bit));
+    return _mm512_mask_add_epi8(w, where, w, _mm512_set1_epi8((char)add));
 }
 /* Each byte (< 16) replaced by table[byte]. */
 static inline ivec ivec_lut8(const uint8_t *table, ivec v) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table)), v);
 }
-/* acc's int32 lane c += the dot product of u's 4 bytes c (unsigned) with x4's 4 bytes (signed). */
-static inline ivec ivec_dot4(ivec acc, ivec u, int32_t x4, int wide) {
+/* A part's lane c += the dot product of u's 4 bytes c (unsigned) with x4's 4 bytes (signed); `wide`: u
+ * may reach 255 (Q8_0, the IQ4 tables), else u < 128. ivec_part_sum turns a part into int32 sums, once
+ * per part_groups(bits, wide) groups of 4 k: int32 lanes already on every target but AVX2 without VNNI. */
+static inline ivec ivec_dot4(ivec part, ivec u, int32_t x4, int wide) {
     (void)wide;
-    return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x4));
+    return _mm512_dpbusd_epi32(part, u, _mm512_set1_epi32(x4));
 }
 static inline ivec ivec_add32(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 static inline ivec ivec_and32(ivec a, uint32_t c) { return _mm512_and_si512(a, _mm512_set1_epi32((int)c)); }
@@ -181,27 +184,39 @@ static inline ivec ivec_add8_where(ivec w, ivec v, uint8_t bit, uint8_t add) {
 static inline ivec ivec_lut8(const uint8_t *table, ivec v) {
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table)), v);
 }
-/* Without VNNI, vpmaddubsw sums pairs of u * x into int16, saturating: two products of u < 128 and
- * |x| <= 127 stay under 32,767, but `wide` formats (Q8_0, the IQ4 tables) have u up to 255. Their top
- * bit's products (128 * x, pairs within 32,512) go apart, and vpmaddwd widens both sums to int32 before
- * they meet: the sums stay exact, as vpdpbusd's are. */
-static inline ivec ivec_dot4(ivec acc, ivec u, int32_t x4, int wide) {
-    const __m256i x = _mm256_set1_epi32(x4);
+/* The AVX-512 section's ivec_dot4 says what a part is. */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+static inline ivec ivec_dot4(ivec part, ivec u, int32_t x4, int wide) {
+    (void)wide;
 #if defined(__AVXVNNI__)
-    (void)wide;
-    return _mm256_dpbusd_avx_epi32(acc, u, x);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    (void)wide;
-    return _mm256_dpbusd_epi32(acc, u, x);
+    return _mm256_dpbusd_avx_epi32(part, u, _mm256_set1_epi32(x4));
 #else
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (!wide) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones));
-    const __m256i top = _mm256_and_si256(u, _mm256_set1_epi8((char)0x80));
-    const __m256i low = _mm256_and_si256(u, _mm256_set1_epi8(0x7F));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(low, x), ones));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(top, x), ones));
+    return _mm256_dpbusd_epi32(part, u, _mm256_set1_epi32(x4));
 #endif
 }
+#else
+#define SIMD_INT16_PARTS 1
+/* Without VNNI, vpmaddubsw sums pairs of u * x into int16, saturating. Below 128, a part is int16 lanes:
+ * each group adds at most 2 * umax * 127 to a lane, so part_groups of them (8 for 4 bits, 4 for 5, 2
+ * for 6) stay within 32,767, and vpmaddwd widens the part to int32 sums once. `wide` formats' u reach
+ * 255 (pairs up to 64,770): their top bit's products (128 * x, pairs within 32,512) go apart, and
+ * vpmaddwd widens both at once into an int32 part. The sums stay exact, as vpdpbusd's are. */
+static inline ivec ivec_dot4(ivec part, ivec u, int32_t x4, int wide) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    if (!wide) return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, x));
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i top = _mm256_and_si256(u, _mm256_set1_epi8((char)0x80));
+    const __m256i low = _mm256_and_si256(u, _mm256_set1_epi8(0x7F));
+    part = _mm256_add_epi32(part, _mm256_madd_epi16(_mm256_maddubs_epi16(low, x), ones));
+    return _mm256_add_epi32(part, _mm256_madd_epi16(_mm256_maddubs_epi16(top, x), ones));
+}
+static inline ivec ivec_part_sum(ivec part, int wide) {
+    return wide ? part : _mm256_madd_epi16(part, _mm256_set1_epi16(1));
+}
+static inline int part_groups(int bits, int wide) {
+    return wide || bits <= 4 ? 8 : bits == 5 ? 4 : 2;
+}
+#endif
 static inline ivec ivec_add32(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
 static inline ivec ivec_and32(ivec a, uint32_t c) { return _mm256_and_si256(a, _mm256_set1_epi32((int)c)); }
 static inline ivec ivec_shl32(ivec a, int n) { return _mm256_slli_epi32(a, n); }
@@ -260,7 +275,9 @@ static inline float vec_reduce_max(vec a) { return vmaxvq_f32(a); }
 static inline vec vec_bits(ivec a) { return vreinterpretq_f32_u8(a); }
 static inline vec vec_from_ivec(ivec a) { return vcvtq_f32_s32(vreinterpretq_s32_u8(a)); }
 static inline vec vec_from_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
-static inline vec vec_from_half(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+static inline vec vec_from_half(const void *p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p)));
+}
 static inline vec vec_load_n(const float *p, int n) {
     float buf[LANES] = {0};
     memcpy(buf, p, sizeof(float) * (size_t)(n < LANES ? n : LANES));
@@ -295,12 +312,13 @@ static inline ivec ivec_add8_where(ivec w, ivec v, uint8_t bit, uint8_t add) {
     return vaddq_u8(w, vandq_u8(vtstq_u8(v, vdupq_n_u8(bit)), vdupq_n_u8(add)));
 }
 static inline ivec ivec_lut8(const uint8_t *table, ivec v) { return vqtbl1q_u8(vld1q_u8(table), v); }
-/* usdot (i8mm) is vpdpbusd's unsigned-by-signed product. Without it, sdot multiplies signed bytes: u
- * below 128 are the same bytes signed; `wide` formats' u (up to 255) go in as u - 128, and 128 times the
- * activations' sum is added back. Exact either way. */
-static inline ivec ivec_dot4(ivec acc, ivec u, int32_t x4, int wide) {
+/* The AVX-512 section's ivec_dot4 says what a part is. usdot (i8mm) is vpdpbusd's unsigned-by-signed
+ * product. Without it, sdot multiplies signed bytes: u below 128 are the same bytes signed; `wide`
+ * formats' u (up to 255) go in as u - 128, and 128 times the activations' sum is added back. Exact
+ * either way. */
+static inline ivec ivec_dot4(ivec part, ivec u, int32_t x4, int wide) {
     const int8x16_t x = vreinterpretq_s8_s32(vdupq_n_s32(x4));
-    const int32x4_t a = vreinterpretq_s32_u8(acc);
+    const int32x4_t a = vreinterpretq_s32_u8(part);
 #if defined(__ARM_FEATURE_MATMUL_INT8)
     (void)wide;
     return vreinterpretq_u8_s32(vusdotq_s32(a, u, x));
@@ -336,6 +354,18 @@ static inline void ivec_store_i8(int8_t *p, ivec a) {  /* values within int8 */
     const int16x4_t h = vmovn_s32(vreinterpretq_s32_u8(a));
     const int32_t v = vget_lane_s32(vreinterpret_s32_s8(vmovn_s16(vcombine_s16(h, h))), 0);
     memcpy(p, &v, 4);
+}
+#endif
+
+#if defined(SIMD) && !defined(SIMD_INT16_PARTS)
+/* Parts are the int32 sums themselves: one per block of 8 groups. */
+static inline ivec ivec_part_sum(ivec part, int wide) {
+    (void)wide;
+    return part;
+}
+static inline int part_groups(int bits, int wide) {
+    (void)bits, (void)wide;
+    return 8;
 }
 #endif
 
