@@ -90,14 +90,20 @@ def test_kernel_matches_twin_and_is_batch_invariant(qtype: str, dtype: torch.dty
 def test_integer_sums_stay_exact_at_the_extremes(dtype: torch.dtype, cpu_target: str) -> None:
     """The largest products the formats make: Q8_0's u = 255 and IQ4_NL's 241 (its table's 113 + 128)
     against activations all at +-127, where AVX2's vpmaddubsw would saturate a pair's int16 sum
-    (2 * 255 * 127 > 32,767). Kernel against twin on each target, within float32 rounding."""
+    (2 * 255 * 127 > 32,767); and Q5_0's u = 31 and Q6_K's 63, whose int16 parts on AVX2 hold 4 and 2
+    groups (4 * 2 * 31 * 127 = 31,496: one group more would wrap). Kernel against twin on each target,
+    within float32 rounding."""
     kernel = quant_gemm(CPU, dtype)
     if kernel is None:
         pytest.skip(f"no native quantized kernel for {cpu_target}")
     n, k = 32, 256
     iq4 = torch.cat([torch.tensor([0x00, 0x3C], dtype=torch.uint8), torch.full((16,), 0xFF, dtype=torch.uint8)])
+    q5_0 = torch.tensor([0x00, 0x3C] + [0xFF] * 20, dtype=torch.uint8)  # d = 1, qh and qs all ones: q = 31
+    q6_k = torch.tensor([0xFF] * 192 + [1] * 16 + [0x00, 0x3C], dtype=torch.uint8)  # q = 63, scales 1, d = 1
     tensors = [quant.quantize(torch.ones(n, k), "int8"),  # d = 1 / 127, every q = 127: u = 255
-               quant.QuantizedTensor(iq4.repeat(n, k // 32), _id("IQ4_NL"))]  # d = 1, every index 15
+               quant.QuantizedTensor(iq4.repeat(n, k // 32), _id("IQ4_NL")),  # d = 1, every index 15
+               quant.QuantizedTensor(q5_0.repeat(n, k // 32), _id("Q5_0")),
+               quant.QuantizedTensor(q6_k.repeat(n, k // 256), _id("Q6_K"))]
     x = torch.ones(3, k, dtype=dtype)
     x[1] = -1
     x[2, ::2] = -1  # the signs alternate within each pair
