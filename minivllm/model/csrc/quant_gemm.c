@@ -266,6 +266,13 @@ static inline __attribute__((always_inline)) void decode_regs(const Format f, co
                                   : vec_mul(d[h].v[i], vec_set1((float)-f.offset));
         }
     }
+    /* The scales as decode_block stores them, also where they stay in registers (row_fused): seen
+     * through, -ffast-math may reassociate sc * d0 * dx differently there (it did, on NEON). */
+    for (int h = 0; h < sub; h++)
+        for (int i = 0; i < QV; i++) {
+            d[h].v[i] = vec_fence(d[h].v[i]);
+            m[h].v[i] = vec_fence(m[h].v[i]);
+        }
 }
 
 /* Whether a format's u reach 128 (Q8_0, the IQ4 tables): AVX2's vpmaddubsw then needs two steps. */

@@ -65,6 +65,12 @@ static inline vec vec_max(vec a, vec b) { return _mm512_max_ps(a, b); }
 static inline float vec_reduce_max(vec a) { return _mm512_reduce_max_ps(a); }
 static inline vec vec_bits(ivec a) { return _mm512_castsi512_ps(a); }
 static inline vec vec_from_ivec(ivec a) { return _mm512_cvtepi32_ps(a); }
+/* `a` as it is: an empty asm the compiler cannot see through, so -ffast-math cannot reassociate the
+ * products that made it with the ones that use it (quant_gemm.c's scales: d * dx is not sc * (d0 * dx)). */
+static inline vec vec_fence(vec a) {
+    __asm__("" : "+v"(a));
+    return a;
+}
 static inline vec vec_from_bf16(const uint16_t *p) {
     return vec_bits(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -136,6 +142,10 @@ static inline float vec_reduce_max(vec a) {  /* exact in any order */
 }
 static inline vec vec_bits(ivec a) { return _mm256_castsi256_ps(a); }
 static inline vec vec_from_ivec(ivec a) { return _mm256_cvtepi32_ps(a); }
+static inline vec vec_fence(vec a) {  /* the AVX-512 section's */
+    __asm__("" : "+x"(a));
+    return a;
+}
 static inline vec vec_from_bf16(const uint16_t *p) {
     return vec_bits(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -274,6 +284,10 @@ static inline vec vec_max(vec a, vec b) { return vmaxq_f32(a, b); }
 static inline float vec_reduce_max(vec a) { return vmaxvq_f32(a); }
 static inline vec vec_bits(ivec a) { return vreinterpretq_f32_u8(a); }
 static inline vec vec_from_ivec(ivec a) { return vcvtq_f32_s32(vreinterpretq_s32_u8(a)); }
+static inline vec vec_fence(vec a) {  /* the AVX-512 section's */
+    __asm__("" : "+w"(a));
+    return a;
+}
 static inline vec vec_from_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 static inline vec vec_from_half(const void *p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p)));
