@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test test-arm bench setup clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The kernels' AArch64 build (NEON), cross-compiled and run under qemu-user against the x86 build's
+# reference outputs: needs gcc-aarch64-linux-gnu and qemu-user (tests/arm_kernels.py).
+test-arm: setup
+	$(PY) -m tests.arm_kernels
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -31,6 +31,20 @@ def _checked(llm: Any) -> Iterator[Any]:
     assert_idle(llm.engine)
 
 
+def _cpu_targets() -> list[str]:
+    from tests.helpers import cpu_targets
+
+    return cpu_targets()
+
+
+@pytest.fixture(params=_cpu_targets())
+def cpu_target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each -march target whose kernels this machine runs (helpers.cpu_targets), as MINIVLLM_CPU_ARCH: the
+    kernel getters build and load that target's library."""
+    monkeypatch.setenv("MINIVLLM_CPU_ARCH", request.param)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def _default_llm() -> Any:
     return _load(num_kv_blocks=256)

@@ -14,6 +14,19 @@ if TYPE_CHECKING:
 
 NEW_TOKENS = 32
 
+
+def cpu_targets(vnni: bool = False) -> list[str]:
+    """The -march targets (MINIVLLM_CPU_ARCH) whose kernels this machine runs: its own ("native") and, on
+    an x86 CPU with AVX2, FMA and F16C, x86-64-v3 (simd.h's AVX2 section without VNNI). With `vnni`, also
+    alderlake where the CPU has AVX-VNNI (the AVX2 section's vpdpbusd)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    targets = ["native"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        targets.append("x86-64-v3")
+        if vnni and "avx_vnni" in flags:
+            targets.append("alderlake")
+    return targets
+
 # Prompts of different lengths and languages: one token, short, code, Chinese, German, and one
 # over 200 tokens (long enough to be chunked and to cross many KV blocks).
 LONG_PROMPT = (

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from minivllm.bench.compare import (batch_decay, batch_size, behind_long, mean_batch, padding_waste,
                                     slot_occupancy, static_batches)
@@ -308,6 +309,9 @@ def test_roofline_end_to_end(tmp_path):
     assert "output.weight" not in {t.name for t in tensors}
     assert res["weight_bytes_per_token"] == sum(t.nbytes for t in tensors)
     assert res["read_bandwidth_gb_s"] == pytest.approx(res["read_bandwidth"] / 1e9)
+    from minivllm.model.kernels import report
+
+    assert res["kernels"] == {"float32": report(torch.device("cpu"), torch.float32)}  # the target and its kernels
     assert res["batch1_bound_tokens_per_s"] == pytest.approx(res["read_bandwidth"] / res["weight_bytes_per_token"])
 
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.model.attention import kv_cache_shapes, write_kv
-from minivllm.model.kernels import attention_kernel, gemm, layer_ops, paged_attention_native
+from minivllm.model.kernels import (FAMILIES, attention_kernel, cpu_arch, gemm, layer_ops, library,
+                                    paged_attention_native, report)
 from minivllm.model.kv_cache import KVCache, allocate_kv_caches, dequantize, kv_format
 from minivllm.model.llama import RMSNorm, apply_rotary
 from tests.helpers import EQUALITY_PROMPTS, greedy
@@ -34,9 +35,10 @@ def _attend(kernel, q, cache, tables, spans, scale):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
                          [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 1), (6, 2, 80, 32), (8, 2, 128, 16)])
-def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_heads, head_dim, block_size):
-    """Decodes and prefill chunks in one call, each row against SDPA; then every row again on its own, as
-    a decode at that position: the same bits (a token's attention does not depend on how it was batched)."""
+def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_heads, head_dim, block_size, cpu_target):
+    """On each target this machine runs: decodes and prefill chunks in one call, each row against SDPA;
+    then every row again on its own, as a decode at that position: the same bits (a token's attention does
+    not depend on how it was batched)."""
     kernel = attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads, block_size)
     if kernel is None:
         pytest.skip("no C compiler: the torch path is used")
@@ -75,8 +77,9 @@ def _ops(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_layer_ops_match_torch(dtype, tokens):
-    """Each fused op against the torch code it replaces, on views shaped as the model passes them."""
+def test_layer_ops_match_torch(dtype, tokens, cpu_target):
+    """Each fused op against the torch code it replaces, on views shaped as the model passes them, on each
+    target this machine runs."""
     ops, gen = _ops(dtype), torch.Generator().manual_seed(tokens)
     heads, kv_heads, head_dim, hidden = 9, 3, 64, 576
     exact = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -119,10 +122,11 @@ def test_layer_ops_match_torch(dtype, tokens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features,in_features,bias", [(1001, 576, False), (960, 576, True), (64, 1536, False)])
-def test_gemm_matches_matmul_and_is_batch_invariant(dtype, out_features, in_features, bias):
-    """The native GEMM against float32 matmul of the same inputs (partial panels, bias), and every row of a
-    300-row call equal, bit for bit, to the same row computed alone and in calls of other sizes (bf16 runs
-    vdpbf16ps for 1-2 rows and float32 FMAs for more: denormal inputs included, they must agree)."""
+def test_gemm_matches_matmul_and_is_batch_invariant(dtype, out_features, in_features, bias, cpu_target):
+    """On each target this machine runs: the native GEMM against float32 matmul of the same inputs
+    (partial panels, bias), and every row of a 300-row call equal, bit for bit, to the same row computed
+    alone and in calls of other sizes (AVX-512's bf16 runs vdpbf16ps for 1-2 rows and float32 FMAs for
+    more: denormal inputs included, they must agree)."""
     native = gemm(torch.device("cpu"), dtype, in_features)
     if native is None:
         pytest.skip("no native GEMM for this dtype here: F.linear is used")
@@ -140,6 +144,24 @@ def test_gemm_matches_matmul_and_is_batch_invariant(dtype, out_features, in_feat
     for first, rows in [(0, 1), (17, 1), (16, 2), (120, 1), (3, 5), (100, 13), (40, 97), (50, 250)]:
         part = native.forward(x[first:first + rows], packed, padded_bias, out_features)
         assert torch.equal(part, out[first:first + rows]), f"rows {first}..{first + rows} differ"
+
+
+def test_report_names_the_target_and_what_falls_back(cpu_target):
+    """The engine's start-up line: the target as MINIVLLM_CPU_ARCH gives it, simd.h's section, and every
+    kernel family native (a target with a section) or named under torch (float16: no kernels at all)."""
+    lib = library(cpu_arch())
+    if lib is None:
+        pytest.skip("no C compiler: the torch path is used")
+    section = lib.simd_target().decode()
+    families = ", ".join(FAMILIES)
+    line = report(torch.device("cpu"), torch.bfloat16)
+    if section == "none":
+        assert line == (f"minivllm: kernels for {cpu_target} (none): paged attention, layer ops; "
+                        "torch for: quantized GEMM, GEMM, layer loop")
+    else:
+        assert line == f"minivllm: kernels for {cpu_target} ({section}): {families}; torch for: nothing"
+    float16 = report(torch.device("cpu"), torch.float16)
+    assert float16 == f"minivllm: kernels for {cpu_target}: nothing; torch for: {families}"
 
 
 def test_torch_fallback_gives_the_same_tokens(llm):

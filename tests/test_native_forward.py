@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
-from tests.helpers import EQUALITY_PROMPTS, assert_idle
+from minivllm.model.kernels import report
+from tests.helpers import EQUALITY_PROMPTS, assert_idle, cpu_targets
 
 
 def run(llm: LLM, native: bool) -> list[Any]:
@@ -31,5 +33,20 @@ def run(llm: LLM, native: bool) -> list[Any]:
 def test_native_layer_loop_equals_python_loop(dtype: str, engine_args: dict) -> None:
     llm = LLM(dtype=dtype, num_kv_blocks=128, enable_prefix_caching=False, **engine_args)
     if llm.engine.runner.model.native_forward is None:
-        pytest.skip("no native layer loop here (no compiler, no AVX512-VNNI/BF16, or MINIVLLM_NO_KERNELS)")
+        pytest.skip("no native layer loop here (no compiler, no simd.h section for the CPU, or MINIVLLM_NO_KERNELS)")
+    assert run(llm, native=True) == run(llm, native=False)
+
+
+@pytest.mark.parametrize("target", cpu_targets()[1:])
+def test_smaller_targets_run_the_layer_loop_natively(target: str, monkeypatch: pytest.MonkeyPatch,
+                                                     capfd: pytest.CaptureFixture) -> None:
+    """MINIVLLM_CPU_ARCH=x86-64-v3 on a larger CPU: the engine says at start that every kernel family runs
+    natively for that target, and its layer loop gives the Python loop's bits there too."""
+    monkeypatch.setenv("MINIVLLM_CPU_ARCH", target)
+    capfd.readouterr()
+    llm = LLM(dtype="bfloat16", num_kv_blocks=128, enable_prefix_caching=False, max_num_batched_tokens=48)
+    line = report(torch.device("cpu"), torch.bfloat16)
+    assert line.startswith(f"minivllm: kernels for {target} (avx2") and line.endswith("; torch for: nothing")
+    assert capfd.readouterr().err.splitlines().count(line) == 1
+    assert llm.engine.runner.model.native_forward is not None
     assert run(llm, native=True) == run(llm, native=False)

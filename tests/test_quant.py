@@ -14,9 +14,10 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.model import gguf_quants, quant
+from minivllm.model import kernels
 from minivllm.model.kernels import quant_gemm
 from minivllm.model.loader import default_model_path, load_checkpoint
-from tests.helpers import EQUALITY_PROMPTS, assert_idle, greedy, random_blocks, write_tiny_gguf
+from tests.helpers import EQUALITY_PROMPTS, assert_idle, cpu_targets, greedy, random_blocks, write_tiny_gguf
 
 FORMATS = [fmt.name for fmt in gguf_quants.BLOCK_FORMATS.values()]
 CPU = torch.device("cpu")
@@ -55,12 +56,14 @@ def test_every_format_decodes_as_the_gguf_package_does(qtype: str) -> None:
 
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_twin_and_is_batch_invariant(qtype: str, dtype: torch.dtype) -> None:
-    """A partial panel of columns, a bias, 67 rows (past one 64-row block); the twin against a float matmul
-    on the gguf package's weights; then every row alone: the same bits; and an embedding's rows."""
+def test_kernel_matches_twin_and_is_batch_invariant(qtype: str, dtype: torch.dtype, cpu_target: str) -> None:
+    """On each target this machine runs: a partial panel of columns, a bias, 67 rows (past one 64-row
+    block); the twin against a float matmul on the gguf package's weights; the kernel against the twin;
+    then every row alone: the same bits; and an embedding's rows."""
     kernel = quant_gemm(CPU, dtype)
     if kernel is None:
-        pytest.skip("no native quantized kernel here (no compiler, no AVX512-VNNI, or MINIVLLM_NO_KERNELS)")
+        pytest.skip(f"no native quantized kernel for {cpu_target} (no compiler, no simd.h section, or "
+                    "MINIVLLM_NO_KERNELS)")
     n, k, rows = 100, _k(qtype), 67
     t, expected = _tensor(qtype, n, k, seed=1)
     weight = quant.QuantizedWeight.of(t)
@@ -81,6 +84,68 @@ def test_kernel_matches_twin_and_is_batch_invariant(qtype: str, dtype: torch.dty
     assert torch.equal(weight.linear(x[30:], bias), out[30:])  # another row block boundary
     ids = torch.tensor([0, 17, 99, 5])
     torch.testing.assert_close(weight.rows(ids).float(), expected[ids].to(dtype).float(), atol=1e-6, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_integer_sums_stay_exact_at_the_extremes(dtype: torch.dtype, cpu_target: str) -> None:
+    """The largest products the formats make: Q8_0's u = 255 and IQ4_NL's 241 (its table's 113 + 128)
+    against activations all at +-127, where AVX2's vpmaddubsw would saturate a pair's int16 sum
+    (2 * 255 * 127 > 32,767); and Q5_0's u = 31 and Q6_K's 63, whose int16 parts on AVX2 hold 4 and 2
+    groups (4 * 2 * 31 * 127 = 31,496: one group more would wrap). Kernel against twin on each target,
+    within float32 rounding."""
+    kernel = quant_gemm(CPU, dtype)
+    if kernel is None:
+        pytest.skip(f"no native quantized kernel for {cpu_target}")
+    n, k = 32, 256
+    iq4 = torch.cat([torch.tensor([0x00, 0x3C], dtype=torch.uint8), torch.full((16,), 0xFF, dtype=torch.uint8)])
+    q5_0 = torch.tensor([0x00, 0x3C] + [0xFF] * 20, dtype=torch.uint8)  # d = 1, qh and qs all ones: q = 31
+    q6_k = torch.tensor([0xFF] * 192 + [1] * 16 + [0x00, 0x3C], dtype=torch.uint8)  # q = 63, scales 1, d = 1
+    tensors = [quant.quantize(torch.ones(n, k), "int8"),  # d = 1 / 127, every q = 127: u = 255
+               quant.QuantizedTensor(iq4.repeat(n, k // 32), _id("IQ4_NL")),  # d = 1, every index 15
+               quant.QuantizedTensor(q5_0.repeat(n, k // 32), _id("Q5_0")),
+               quant.QuantizedTensor(q6_k.repeat(n, k // 256), _id("Q6_K"))]
+    x = torch.ones(3, k, dtype=dtype)
+    x[1] = -1
+    x[2, ::2] = -1  # the signs alternate within each pair
+    for t in tensors:
+        weight = quant.QuantizedWeight.of(t)
+        weight.use_kernel(None, dtype)
+        twin = weight.linear(x, None)
+        weight.use_kernel(kernel, dtype)
+        torch.testing.assert_close(weight.linear(x, None).float(), twin.float(), atol=1e-6, rtol=1e-6)
+
+
+def test_every_target_computes_the_same_bits() -> None:
+    """simd.h's sections do the same integer sums and the same float steps per output on every target,
+    so the quantized GEMM (every format, 67 rows and one alone) and the float GEMM (1, 2 and 13 rows: the
+    AVX-512 build's vdpbf16ps and FMA paths) give the same bits on every x86 target this machine runs:
+    AVX-512, AVX2 with vpmaddubsw (its saturation kept out of Q8_0's and IQ4's sums) and AVX2 with AVX-VNNI.
+    The bound across targets is 0."""
+    targets = cpu_targets(vnni=True)
+    libs = [kernels.library(t) for t in targets]
+    if len(targets) < 2 or not all(lib is not None and hasattr(lib, "qgemm_f32") for lib in libs):
+        pytest.skip(f"one target with GEMMs here ({targets})")
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for qtype in FORMATS:
+            t, _ = _tensor(qtype, 100, _k(qtype), seed=2)
+            weight = quant.QuantizedWeight.of(t)
+            x, bias = torch.randn(67, _k(qtype), generator=gen).to(dtype), torch.randn(100, generator=gen)
+            outs = []
+            for lib in libs:
+                weight.use_kernel(kernels.QuantGemm(lib, dtype), dtype)
+                outs.append((weight.linear(x, bias), weight.linear(x[40:41], bias)))
+            for target, out in zip(targets[1:], outs[1:]):
+                assert all(torch.equal(a, b) for a, b in zip(out, outs[0])), f"{qtype} {dtype} on {target}"
+        w, b = torch.randn(100, 576, generator=gen).to(dtype), torch.randn(100, generator=gen)
+        x = torch.randn(13, 576, generator=gen).to(dtype)
+        outs = []
+        for lib in libs:
+            native = kernels.Gemm(lib, dtype)
+            packed, padded = native.pack(w, b)
+            outs.append([native.forward(x[:rows], packed, padded, 100) for rows in (1, 2, 13)])
+        for target, out in zip(targets[1:], outs[1:]):
+            assert all(torch.equal(a, b) for a, b in zip(out, outs[0])), f"float GEMM {dtype} on {target}"
 
 
 def test_mixed_formats_in_one_fused_projection() -> None:

@@ -198,6 +198,9 @@ def _span(bounds: tuple[int, int], sep: str = "..") -> str:
 # -- roofline -------------------------------------------------------------------------------------------
 def cmd_roofline(args: argparse.Namespace) -> None:
     from minivllm.bench.roofline import file_bytes_per_token, format_roofline, measure
+    import torch
+
+    from minivllm.model.kernels import report
     from minivllm.model.loader import load_checkpoint, resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -206,6 +209,9 @@ def cmd_roofline(args: argparse.Namespace) -> None:
     roof = measure(model_config, device, args.num_tokens, args.dtypes,
                    progress=lambda what: print(f"measuring {what}...", file=sys.stderr, flush=True))
     print(format_roofline(roof, path.stem))
+    kernels = {name: report(device, getattr(torch, name)) for name in roof.per_dtype}  # the target, what runs
+    for line in kernels.values():
+        print(line.removeprefix("minivllm: "))
     file_bytes = file_bytes_per_token(path)
     bound = roof.read_bandwidth / file_bytes
     print(f"batch-1 bound of {path.name} as stored: {file_bytes / 1e6:.0f} MB of tensors read per token / "
@@ -215,7 +221,7 @@ def cmd_roofline(args: argparse.Namespace) -> None:
                                                                  for d in roof.per_dtype},
                                   "weight_bytes_per_token": file_bytes,
                                   "read_bandwidth_gb_s": roof.read_bandwidth / 1e9,
-                                  "batch1_bound_tokens_per_s": bound})
+                                  "batch1_bound_tokens_per_s": bound, "kernels": kernels})
 
 
 # -- the parser -----------------------------------------------------------------------------------------

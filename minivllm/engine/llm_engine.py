@@ -38,6 +38,7 @@ from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
 from minivllm.model import weight_cache
 from minivllm.model.kernels import layer_ops
+from minivllm.model.kernels import report as kernels_report
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
@@ -108,6 +109,7 @@ def load_parts(config: EngineConfig) -> ModelParts:
     quantization = config.weight_quantization(path.is_file())
     with timed(phases, "kernels"):  # compiled on a cold cache, else loaded
         layer_ops(device, dtype)
+    print(kernels_report(device, dtype), file=sys.stderr, flush=True)  # the target, and what runs as torch
     group = None
     with timed(phases, "weights"):
         if config.tensor_parallel_size > 1:  # rank 0: its shard; the workers start and load theirs

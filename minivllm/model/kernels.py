@@ -2,7 +2,10 @@
 
 The native kernels (csrc/*.c) are plain C with OpenMP, no torch headers: compiled at first use with
 the system's C compiler into one library for this CPU (-march=native) and loaded with ctypes, so
-there is no build step at install time. When no compiler is present (or the build fails) every
+there is no build step at install time. MINIVLLM_CPU_ARCH=<a -march value> (x86-64-v3, znver4,
+armv8.2-a+dotprod, ...) builds for exactly that target instead, so that one machine builds and tests
+the kernels of a smaller one; the GEMMs have a section per target (csrc/simd.h), and what a target
+lacks runs as torch (`report` says which). When no compiler is present (or the build fails) every
 getter here returns None and the model runs its torch twins: attention gathers the blocks for
 scaled_dot_product_attention, linear layers call F.linear, the layer ops run as torch ops.
 `minivllm bench kernels` measures each path against its twin.
@@ -36,7 +39,7 @@ from minivllm.model.quant import QuantizedWeight, Segment
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
-COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+ARCH_ENV = "MINIVLLM_CPU_ARCH"
 # Linked without -ffast-math: GCC 12 would otherwise add crtfastmath, which flushes denormals to zero
 # for the whole process (torch included) as soon as the library loads.
 LINK_FLAGS = ["-shared", "-fopenmp"]
@@ -50,34 +53,53 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-@functools.lru_cache(maxsize=1)
-def library_key() -> str:
-    """A hash of what the native library is built from: its sources, the compiler and flags, and this
-    CPU (-march=native makes it valid for this CPU model only). It names the library, and the weight
-    cache, whose packed layouts the library defines."""
+def cpu_arch() -> str:
+    """The -march value the library is built for: MINIVLLM_CPU_ARCH, else this CPU's."""
+    return os.environ.get(ARCH_ENV) or "native"
+
+
+def compile_flags(arch: str, machine: str = platform.machine()) -> list[str]:
+    """The C compiler's flags for -march=`arch` on `machine` (another one's: a cross build, tests/arm_kernels.py)."""
+    # 512-bit vectors where the target has AVX-512 (GCC would otherwise prefer 256); x86 compilers only.
+    wide = ["-mprefer-vector-width=512"] if machine in ("x86_64", "AMD64") else []
+    return ["-O3", f"-march={arch}", *wide, "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+
+
+def library_key(arch: str | None = None) -> str:
+    """A hash of what the native library for `arch` (default: cpu_arch(), read now) is built from: its
+    sources, the compiler, the flags with the target, and this CPU (-march=native makes it valid for
+    this CPU model only). It names the library, and what depends on the kernels' rounding (the KV
+    tier's disk entries)."""
+    return _library_key(arch or cpu_arch())
+
+
+@functools.lru_cache(maxsize=None)
+def _library_key(arch: str) -> str:
     code = b"".join(f.read_bytes() for f in sorted([*SOURCES, *CSRC.glob("*.h")]))
-    key = code + " ".join([_compiler() or "", *COMPILE_FLAGS, *LINK_FLAGS, _cpu()]).encode()
+    key = code + " ".join([_compiler() or "", *compile_flags(arch), *LINK_FLAGS, _cpu()]).encode()
     return hashlib.sha256(key).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
+@functools.lru_cache(maxsize=None)
+def library(arch: str) -> ctypes.CDLL | None:
+    """The native library built for -march=`arch` (compiled on first use), or None (MINIVLLM_NO_KERNELS,
+    no compiler, or a failed build). Tests load several targets' side by side; the model uses cpu_arch()'s."""
     if os.environ.get("MINIVLLM_NO_KERNELS"):
         return None
     compiler = _compiler()
     if compiler is None:
         return None
     cache = cache_dir()
-    lib_path = cache / f"kernels-{library_key()}.so"
+    lib_path = cache / f"kernels-{library_key(arch)}.so"
     try:
         if not lib_path.exists():
-            print(f"minivllm: compiling the native CPU kernels once for this CPU into {cache} ...",
+            print(f"minivllm: compiling the native CPU kernels once for {arch} into {cache} ...",
                   file=sys.stderr, flush=True)
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then move: atomic
                 objects = [Path(tmp) / f"{s.stem}.o" for s in SOURCES]
                 for source, obj in zip(SOURCES, objects):
-                    subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                    subprocess.run([compiler, *compile_flags(arch), "-c", str(source), "-o", str(obj)],
                                    check=True, capture_output=True, text=True)
                 built = Path(tmp) / lib_path.name
                 subprocess.run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(built), "-lm"],
@@ -97,29 +119,49 @@ def _library() -> ctypes.CDLL | None:
             getattr(lib, f"write_kv_{suffix}_{kv}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                                 _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float,
                                                                 ctypes.c_float]
-        if hasattr(lib, f"gemm_{suffix}"):  # bf16 needs AVX512-BF16
+        if hasattr(lib, f"gemm_{suffix}"):  # where simd.h has a section for the target
             getattr(lib, f"gemm_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
         getattr(lib, f"add_rms_norm_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
         getattr(lib, f"rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64]
         getattr(lib, f"write_kv_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                        _I64, _PTR, _PTR]
         getattr(lib, f"silu_and_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
-    if hasattr(lib, "pack_panels"):  # AVX-512
+    if hasattr(lib, "pack_panels"):
         lib.pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
     lib.read_stream.argtypes, lib.read_stream.restype = [_PTR, _I64], ctypes.c_uint64
     for suffix in _DTYPE_SUFFIX.values():
-        if hasattr(lib, f"qgemm_{suffix}"):  # AVX512-VNNI (and -BF16 for bf16)
+        if hasattr(lib, f"qgemm_{suffix}"):
             getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64,
                                                         _I64]
             getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _I64, _PTR]
         if hasattr(lib, f"forward_layers_{suffix}"):
             getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
+    lib.simd_target.restype = ctypes.c_char_p
     return lib
 
 
 def _cpu_library(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None:
     """The kernels' library where they apply (the CPU, bf16 or float32 activations), else None."""
-    return _library() if device.type == "cpu" and dtype in _DTYPE_SUFFIX else None
+    return library(cpu_arch()) if device.type == "cpu" and dtype in _DTYPE_SUFFIX else None
+
+
+# The kernel families, each named by one function that exists when it does (the torch twins otherwise).
+FAMILIES = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_layers",
+            "paged attention": "paged_attention", "layer ops": "add_rms_norm"}
+
+
+def report(device: torch.device, dtype: torch.dtype) -> str:
+    """One line for the start of the engine and `bench roofline`: the target (and simd.h's section),
+    the kernel families that run natively, and those that fall back to torch."""
+    lib = _cpu_library(device, dtype)
+    native = [name for name, fn in FAMILIES.items()
+              if lib is not None and hasattr(lib, f"{fn}_{_DTYPE_SUFFIX[dtype]}")]
+    fallback = [name for name in FAMILIES if name not in native]
+    target = f"{cpu_arch()} ({lib.simd_target().decode()})" if lib is not None else cpu_arch()
+    if device.type != "cpu":
+        target = device.type
+    return (f"minivllm: kernels for {target}: {', '.join(native) or 'nothing'}; "
+            f"torch for: {', '.join(fallback) or 'nothing'}")
 
 
 def _cpu() -> str:

@@ -27,7 +27,10 @@ group is an exact integer dot product; a row's result depends on that row alone 
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,6 +116,13 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantizedTensor:
 
 
 # -- the packed layout (module docstring; csrc/quant_gemm.c reads it) ------------------------------------
+@functools.lru_cache(maxsize=1)
+def layout_key() -> str:
+    """A hash of this file, which defines the packed layout (`pack`) for every CPU target the kernels are
+    built for (csrc/simd.h's sections all read it): what the weight cache's entries are keyed by."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
 def superblock(fmt: BlockFormat) -> int:
     """k per packed super-block: the format's block."""
     return fmt.block_size

@@ -2,7 +2,8 @@
 
 Splitting a GGUF file's blocks into integers and packing them into the quantized GEMM's panels
 (quant.py) takes seconds at every start, yet its result depends only on the checkpoint's bytes, the
-dtype, the quantization and the kernels' build. So the first start writes it under the
+dtype, the quantization and the packed layout (quant.layout_key: one layout for every CPU target the
+kernels are built for, so MINIVLLM_CPU_ARCH's builds share it). So the first start writes it under the
 cache directory, keyed by all four, and later starts map the file and use its tensors in place: no
 split, no pack, and pages shared with the OS page cache (the mapping is private: nothing is written
 back).
@@ -27,9 +28,8 @@ from pathlib import Path
 import torch
 
 from minivllm.config import cache_dir
-from minivllm.model.kernels import library_key
 from minivllm.model.loader import ModelConfig, checkpoint_digest
-from minivllm.model.quant import QuantizedWeight, Segment
+from minivllm.model.quant import QuantizedWeight, Segment, layout_key
 
 CACHE_VERSION = 2  # bump when what is saved changes
 KEEP_ENTRIES = 6  # the newest entries kept (a model in two dtypes and a few quantizations)
@@ -45,7 +45,7 @@ def cache_file(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
     if quantization == "none" or device.type != "cpu":
         return None
     key = "-".join([checkpoint_digest(path)[:24], str(dtype).removeprefix("torch."), quantization,
-                    library_key(), f"v{CACHE_VERSION}"])
+                    layout_key(), f"v{CACHE_VERSION}"])
     return cache_dir() / "weights" / f"{key}.bin"
 
 

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #define MAX_SEGMENTS 3  /* a fused q/k/v in three formats */
 
@@ -134,7 +135,7 @@ void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *o
     free(normed); free(delta); free(qkv); free(attn); free(gate_up); free(act);                          \
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if defined(SIMD)  /* the GEMMs it calls exist for the target */
 DEFINE_FORWARD(f32, float, float)
 DEFINE_FORWARD(bf16, uint16_t, uint32_t)
 #endif

@@ -11,8 +11,9 @@
  * It vectorizes over output columns: the weights are packed once (pack_*) into panels of PANEL columns,
  * each panel contiguous over K, so a column vector's k-th weights are one 64-byte load; a row's x[k] is
  * broadcast. bf16 computes what AVX512-BF16's vdpbf16ps computes (16 lanes x one k pair per
- * instruction), with that instruction or with float32 FMAs (below); float32 uses AVX-512 FMA. A tile is
- * up to MAX_ROWS rows x PANEL columns, held in registers for the whole K loop.
+ * instruction), with that instruction or with float32 FMAs (below); float32 uses FMAs. A tile is up to
+ * MAX_ROWS rows x PANEL columns, held in registers for the whole K loop. Written once over simd.h's
+ * vectors: the targets differ in the vector width, MAX_ROWS, and AVX-512's vdpbf16ps for 1 or 2 rows.
  *
  * Threads split the column panels, each taking its panels for every row block; no split changes any sum.
  */
@@ -20,40 +21,32 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "simd.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(SIMD)
 
-#define PANEL 32      /* output columns per panel: two 16-lane vectors */
+#define PANEL 32      /* output columns per panel: 2 vectors of 16 lanes (AVX-512), 4 of 8 (AVX2), 8 of 4 (NEON) */
+#define PV (PANEL / LANES)
+#if defined(SIMD_AVX512)
 #define MAX_ROWS 12   /* rows per tile: 24 accumulators + 2 weight vectors of the 32 zmm registers */
+#else
+#define MAX_ROWS 3    /* AVX2: 12 accumulators + 4 weight vectors of the 16 ymm; NEON: 24 + 8 of 32 q registers */
+#endif
 #define ROW_BLOCK 96  /* rows of x a thread works through per panel, while the panel sits in L2 */
 #define PREFETCH 1024 /* bytes ahead in the panel's weight stream: DRAM latency at a few rows */
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Store one tile row's two accumulators (columns n0..n0+32, of which `valid` exist) with the bias. */
-#define STORE_ROW(OUT_T, CONVERT)                                                                     \
-    static inline void store_row_##OUT_T(OUT_T *dst, __m512 a0, __m512 a1, const float *bias, int valid) { \
-        if (bias) {                                                                                    \
-            a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias));                                             \
-            a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + 16));                                        \
-        }                                                                                              \
-        CONVERT                                                                                        \
+/* Store one tile row's accumulators (columns n0..n0+32, of which `valid` exist) with the bias (padded
+ * to whole panels). */
+#define STORE_ROW(OUT_T, STORE_N)                                                                     \
+    static inline void store_row_##OUT_T(OUT_T *dst, const vec *acc, const float *bias, int valid) {  \
+        for (int v = 0; v < PV && valid > LANES * v; v++)                                             \
+            STORE_N(dst + LANES * v, bias ? vec_add(acc[v], vec_load(bias + LANES * v)) : acc[v], valid - LANES * v); \
     }
 
-STORE_ROW(uint16_t, {
-    const __mmask16 m0 = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
-    const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
-    _mm256_mask_storeu_epi16(dst, m0, (__m256i)_mm512_cvtneps_pbh(a0));
-    _mm256_mask_storeu_epi16(dst + 16, m1, (__m256i)_mm512_cvtneps_pbh(a1));
-})
-
-STORE_ROW(float, {
-    const __mmask16 m0 = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
-    const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
-    _mm512_mask_storeu_ps(dst, m0, a0);
-    _mm512_mask_storeu_ps(dst + 16, m1, a1);
-})
+STORE_ROW(uint16_t, vec_store_bf16_n)
+STORE_ROW(float, vec_store_n)
 
 /* The packed bf16 panel: for each pair of k, 32 columns x 2 k = 32 uint32 (64 bytes per vector of 16).
  *
@@ -62,8 +55,9 @@ STORE_ROW(float, {
  * denormals flushed): what an FMA on the two bf16 values widened to float32 does with MXCSR's DAZ and
  * FTZ set. On CPUs without AMX vdpbf16ps issues half an instruction a cycle (16 MACs) where FMAs issue
  * two (32 MACs), so calls of 3 rows or more widen x once and run FMAs (up to 1.6x faster); calls of 1 or
- * 2 rows, bound by the weight stream and by one chain's latency, keep the one-instruction vdpbf16ps. */
-#if defined(__AVX512BF16__)
+ * 2 rows, bound by the weight stream and by one chain's latency, keep the one-instruction vdpbf16ps.
+ * Targets without vdpbf16ps run the FMAs for every row count: the same bits. */
+#if defined(SIMD_AVX512)
 static inline __attribute__((always_inline)) void tile_bf16_dp(
         const uint16_t *x, int64_t ldx, const uint32_t *panel, int64_t pairs, int rows,
         const float *bias, uint16_t *out, int64_t ldo, int valid) {
@@ -81,68 +75,67 @@ static inline __attribute__((always_inline)) void tile_bf16_dp(
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
         }
     }
-    for (int m = 0; m < rows; m++) store_row_uint16_t(out + m * ldo, acc[m][0], acc[m][1], bias, valid);
+    for (int m = 0; m < rows; m++) store_row_uint16_t(out + m * ldo, acc[m], bias, valid);
 }
+#endif
 
 static inline __attribute__((always_inline)) void tile_bf16_fma(
         const float *x, int64_t ldx, const uint32_t *panel, int64_t pairs, int rows,
         const float *bias, uint16_t *out, int64_t ldo, int valid) {
-    __m512 acc[MAX_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | _MM_FLUSH_ZERO_ON | _MM_DENORMALS_ZERO_ON);
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    vec acc[MAX_ROWS][PV];
+    for (int m = 0; m < rows; m++)
+        for (int v = 0; v < PV; v++) acc[m][v] = vec_zero();
+    const unsigned csr = denormals_off();
     for (int64_t p = 0; p < pairs; p++) {
         const uint32_t *w = panel + p * PANEL;
-        if (rows <= 8) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
-        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16);
-        const __m512 w0_odd = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
-        const __m512 w1_odd = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
-        const __m512 w0_even = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
-        const __m512 w1_even = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
-        for (int m = 0; m < rows; m++) {
-            const __m512 x_odd = _mm512_set1_ps(x[m * ldx + 2 * p + 1]), x_even = _mm512_set1_ps(x[m * ldx + 2 * p]);
-            acc[m][0] = _mm512_fmadd_ps(x_odd, w0_odd, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(x_odd, w1_odd, acc[m][1]);
-            acc[m][0] = _mm512_fmadd_ps(x_even, w0_even, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(x_even, w1_even, acc[m][1]);
+        if (rows <= 8) __builtin_prefetch((const char *)w + PREFETCH, 0, 3);
+        vec odd[PV], even[PV];
+        for (int v = 0; v < PV; v++) {
+            const ivec wv = ivec_load(w + LANES * v);
+            odd[v] = vec_bits(ivec_and32(wv, 0xFFFF0000u));
+            even[v] = vec_bits(ivec_shl32(wv, 16));
+        }
+        for (int m = 0; m < rows; m++) {  /* per accumulator: the odd k's product, then the even k's */
+            const vec x_odd = vec_set1(x[m * ldx + 2 * p + 1]), x_even = vec_set1(x[m * ldx + 2 * p]);
+            for (int v = 0; v < PV; v++) acc[m][v] = vec_fmadd(x_odd, odd[v], acc[m][v]);
+            for (int v = 0; v < PV; v++) acc[m][v] = vec_fmadd(x_even, even[v], acc[m][v]);
         }
     }
-    _mm_setcsr(csr);
-    for (int m = 0; m < rows; m++) store_row_uint16_t(out + m * ldo, acc[m][0], acc[m][1], bias, valid);
+    denormals_restore(csr);
+    for (int m = 0; m < rows; m++) store_row_uint16_t(out + m * ldo, acc[m], bias, valid);
 }
-#endif
 
 static inline __attribute__((always_inline)) void tile_f32(
         const float *x, int64_t ldx, const float *panel, int64_t K, int rows,
         const float *bias, float *out, int64_t ldo, int valid) {
-    __m512 acc[MAX_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    vec acc[MAX_ROWS][PV];
+    for (int m = 0; m < rows; m++)
+        for (int v = 0; v < PV; v++) acc[m][v] = vec_zero();
     for (int64_t k = 0; k < K; k++) {
         const float *w = panel + k * PANEL;
-        if (rows <= 8) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
-        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        if (rows <= 8) __builtin_prefetch((const char *)w + PREFETCH, 0, 3);
+        vec wv[PV];
+        for (int v = 0; v < PV; v++) wv[v] = vec_load(w + LANES * v);
         for (int m = 0; m < rows; m++) {
-            const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
-            acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+            const vec xv = vec_set1(x[m * ldx + k]);
+            for (int v = 0; v < PV; v++) acc[m][v] = vec_fmadd(xv, wv[v], acc[m][v]);
         }
     }
-    for (int m = 0; m < rows; m++) store_row_float(out + m * ldo, acc[m][0], acc[m][1], bias, valid);
+    for (int m = 0; m < rows; m++) store_row_float(out + m * ldo, acc[m], bias, valid);
 }
 
 /* Dispatch a tile of `rows` (1..MAX_ROWS) to a copy of the tile function with that literal row count,
- * so that its accumulators live in registers. */
+ * so that its accumulators live in registers (counts past MAX_ROWS never occur: clamped to compile). */
+#define CLAMP(R) ((R) < MAX_ROWS ? (R) : MAX_ROWS)
 #define DISPATCH(TILE, rows, ...)                                                                     \
     switch (rows) {                                                                                   \
-        case 1: TILE(__VA_ARGS__, 1); break;   case 2: TILE(__VA_ARGS__, 2); break;                  \
-        case 3: TILE(__VA_ARGS__, 3); break;   case 4: TILE(__VA_ARGS__, 4); break;                  \
-        case 5: TILE(__VA_ARGS__, 5); break;   case 6: TILE(__VA_ARGS__, 6); break;                  \
-        case 7: TILE(__VA_ARGS__, 7); break;   case 8: TILE(__VA_ARGS__, 8); break;                  \
-        case 9: TILE(__VA_ARGS__, 9); break;   case 10: TILE(__VA_ARGS__, 10); break;                \
-        case 11: TILE(__VA_ARGS__, 11); break; default: TILE(__VA_ARGS__, 12); break;                \
+        case 1: TILE(__VA_ARGS__, 1); break;   case 2: TILE(__VA_ARGS__, CLAMP(2)); break;           \
+        case 3: TILE(__VA_ARGS__, CLAMP(3)); break;   case 4: TILE(__VA_ARGS__, CLAMP(4)); break;    \
+        case 5: TILE(__VA_ARGS__, CLAMP(5)); break;   case 6: TILE(__VA_ARGS__, CLAMP(6)); break;    \
+        case 7: TILE(__VA_ARGS__, CLAMP(7)); break;   case 8: TILE(__VA_ARGS__, CLAMP(8)); break;    \
+        case 9: TILE(__VA_ARGS__, CLAMP(9)); break;   case 10: TILE(__VA_ARGS__, CLAMP(10)); break;  \
+        case 11: TILE(__VA_ARGS__, CLAMP(11)); break; default: TILE(__VA_ARGS__, CLAMP(12)); break;  \
     }
-
 /* The loop over (panel, row block) tasks, shared by both dtypes. PROLOGUE runs first in every thread (an
  * `omp for` that prepares x); TILE_CALL(m0, rows, n0) computes one tile. */
 #define GEMM_LOOP(M, N, PROLOGUE, TILE_CALL)                                                          \
@@ -165,16 +158,17 @@ static inline __attribute__((always_inline)) void tile_f32(
             }                                                                                         \
     }
 
-#if defined(__AVX512BF16__)
 #define BF16_FMA_TILE(m0, n0, R)                                                                      \
     tile_bf16_fma(xf + (m0) * K, K, w + (n0) * (K / 2), K / 2, R, bias ? bias + (n0) : 0,            \
                   out + (m0) * ldo + (n0), ldo, (int)min64(PANEL, N - (n0)))
 #define BF16_FMA_CALL(m0, rows, n0) DISPATCH(BF16_FMA_TILE, rows, m0, n0)
+#if defined(SIMD_AVX512)
 #define BF16_DP_TILE(m0, n0, R)                                                                       \
     tile_bf16_dp(x + (m0) * ldx, ldx, w + (n0) * (K / 2), K / 2, R, bias ? bias + (n0) : 0,          \
                  out + (m0) * ldo + (n0), ldo, (int)min64(PANEL, N - (n0)))
 #define BF16_DP_CALL(m0, rows, n0)                                                                    \
     if (rows == 1) BF16_DP_TILE(m0, n0, 1); else BF16_DP_TILE(m0, n0, 2);
+#endif
 
 /* x [M, K] bf16 (row stride ldx) -> xf [M, K] float32, split over the threads. */
 static void widen_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *xf) {
@@ -187,16 +181,16 @@ static void widen_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, flo
  * out [M, N] (row stride ldo). K must be even. */
 void gemm_bf16(const uint16_t *x, int64_t ldx, const uint32_t *w, const float *bias, uint16_t *out, int64_t ldo,
                int64_t M, int64_t N, int64_t K) {
+#if defined(SIMD_AVX512)
     if (M <= 2) {
         GEMM_LOOP(M, N, (void)0, BF16_DP_CALL)
         return;
     }
+#endif
     float *xf = malloc(sizeof(float) * (size_t)(M * K));
     GEMM_LOOP(M, N, widen_rows(x, ldx, M, K, xf), BF16_FMA_CALL)
     free(xf);
 }
-
-#endif
 
 #define F32_TILE(m0, n0, R)                                                                           \
     tile_f32(x + (m0) * ldx, ldx, w + (n0) * K, K, R, bias ? bias + (n0) : 0,                        \

@@ -7,8 +7,9 @@
  * of 16 or 32 k, from unsigned integers v in bit planes and its own scales.
  *
  * The activations are quantized per row and per 32 k, the way llama.cpp does for its VNNI dot
- * products: dx = amax / 127, x8 = round(x / dx). Then each group is one integer dot product (AVX512-VNNI
- * vpdpbusd: unsigned weight bytes x signed activation bytes, 64 products per instruction), and
+ * products: dx = amax / 127, x8 = round(x / dx). Then each group is one integer dot product (vpdpbusd:
+ * unsigned weight bytes x signed activation bytes, 64 products per AVX-512 instruction; simd.h's
+ * ivec_dot4 gives the same exact sums on AVX2 and NEON), and
  *     out[n] = sum over groups, in k order: (d * dx) * isum + m * (dx * sum of x8)
  * in float32. A row's quantization and sums depend on that row alone, and the integer sums are exact,
  * so a row's result is the same bits whether the call has 1 row or 2,048 (issue 12), and a token is
@@ -21,12 +22,17 @@
  * run every tile of rows of the block over it, the tile's accumulators in registers within the chunk:
  * a prefill pays the decoding once per 64 rows. Both do the same integer sums and float steps per block,
  * so a row's bits do not depend on which one ran.
+ *
+ * Targets: the code is written once over simd.h's primitives, a panel row of 16 columns being 1, 2 or 4
+ * native vectors (AVX-512, AVX2, NEON); only the tile sizes differ (the registers). Every target does the
+ * same integer sums and the same float32 steps per output, so the results are the same bits on each.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 /* A format's shape, from ggml's type id (gguf_quants.BLOCK_FORMATS holds the same traits). */
 typedef struct {
@@ -64,148 +70,224 @@ static inline int scale_bytes(const Format *f) {
 }
 static inline int64_t superblock_bytes(const Format *f) { return (int64_t)(f->sb / 32) * plane_bytes(f) + scale_bytes(f); }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#if defined(SIMD)
 
-#define QPANEL 16     /* output columns per panel: one vector of 16 int32 / float32 */
+#define QPANEL 16     /* output columns per panel: 16 int32 / float32, vpdpbusd's 64 bytes per group of 4 k */
+#define QV (QPANEL / LANES)  /* native vectors per panel row: 1 (AVX-512), 2 (AVX2) */
+#if defined(SIMD_AVX512)
 #define QMAX_ROWS 8   /* rows per one-panel tile: 8 accumulators + 8 weight vectors + scales fit the registers */
 #define QPAIR_ROWS 6  /* rows per two-panel tile: 12 accumulators + 12 integer sums + 4 weight vectors */
+#define QPAIRS 1      /* sub-1 formats run two panels per unit, sharing each activation broadcast */
+#else
+#define QMAX_ROWS 4   /* a panel row is two ymm (AVX2: 8 integer sums + 4 weight vectors of 16 registers) or */
+#define QPAIR_ROWS 1  /* four q registers (NEON: 16 + 8 of 32) */
+#define QPAIRS 0      /* two panels' sums would not fit the registers: one panel per unit */
+#endif
 #define QROW_BLOCK 64 /* rows of x a thread works through per unit, while its decoded chunk sits in L1 */
 #define CHUNK 8       /* 32-k blocks decoded at a time */
 #define DECODED 768   /* bytes per decoded 32-k block of a panel: 512 of u, then float d[16] and m[16] per sub (<= 2) */
 #define META 4        /* per row and 32-k block: dx, then dx * (sum of x8) over the block and over each half */
 
-static inline int64_t qmin64(int64_t a, int64_t b) { return a < b ? a : b; }
+/* A panel row: 64 bytes of u (one group of 4 k of 16 columns, or 16 int32 sums), or 16 floats. */
+typedef struct { ivec v[QV]; } pints;
+typedef struct { vec v[QV]; } pfloats;
 
-/* 16 activations as float32 vectors, from either dtype. */
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+static inline pints pints_load(const uint8_t *p) {
+    pints r;
+    for (int i = 0; i < QV; i++) r.v[i] = ivec_load(p + 64 / QV * i);
+    return r;
+}
+static inline void pints_store(uint8_t *p, pints a) {
+    for (int i = 0; i < QV; i++) ivec_store(p + 64 / QV * i, a.v[i]);
+}
+static inline pints pints_zero(void) {
+    pints r;
+    for (int i = 0; i < QV; i++) r.v[i] = ivec_zero();
+    return r;
+}
+static inline pfloats pfloats_load(const float *p) {
+    pfloats r;
+    for (int i = 0; i < QV; i++) r.v[i] = vec_load(p + LANES * i);
+    return r;
+}
+static inline void pfloats_store(float *p, pfloats a) { for (int i = 0; i < QV; i++) vec_store(p + LANES * i, a.v[i]); }
+static inline pfloats pfloats_set1(float x) {
+    pfloats r;
+    for (int i = 0; i < QV; i++) r.v[i] = vec_set1(x);
+    return r;
+}
+/* acc + a * b, lane by lane. */
+static inline pfloats pfloats_fmadd(pfloats a, pfloats b, pfloats acc) {
+    for (int i = 0; i < QV; i++) acc.v[i] = vec_fmadd(a.v[i], b.v[i], acc.v[i]);
+    return acc;
+}
+static inline pfloats pfloats_mul(pfloats a, pfloats b) {
+    for (int i = 0; i < QV; i++) a.v[i] = vec_mul(a.v[i], b.v[i]);
+    return a;
+}
+static inline pfloats pfloats_of(pints a) {
+    pfloats r;
+    for (int i = 0; i < QV; i++) r.v[i] = vec_from_ivec(a.v[i]);
+    return r;
+}
+/* part's column sums += u's 4 bytes per column (unsigned) . the row's 4 activations at xq (signed): a
+ * part of at most part_groups groups (simd.h's ivec_dot4), then added to int32 sums by pints_add_part. */
+static inline pints pints_dot4(pints part, pints u, const int8_t *xq, int wide) {
+    int32_t x4;
+    memcpy(&x4, xq, 4);
+    for (int i = 0; i < QV; i++) part.v[i] = ivec_dot4(part.v[i], u.v[i], x4, wide);
+    return part;
+}
+static inline pints pints_add_part(pints sum, pints part, int wide) {
+    for (int i = 0; i < QV; i++) sum.v[i] = ivec_add32(sum.v[i], ivec_part_sum(part.v[i], wide));
+    return sum;
 }
 
-/* a / b, rounded once: -ffast-math would make it a * (1 / b), rounded twice, and a product that the twin
- * (quant.quantize_activations) puts at 43.499996 could land on 43.5 and round the other way. */
-static inline float exact_div(float a, float b) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b))); }
+static inline int64_t qmin64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* x [M, K] (float32 or bf16, row stride ldx) -> x8 [M, K] int8 and meta [M, K / 32, META]. Vectorized:
  * a scalar loop cost as much as a quarter of a 64-row GEMM. The max and the integer sums are exact, and
- * the vector rounding is lrintf's (to nearest even), so the bits are those of the scalar definition. */
-#define QUANTIZE_ROWS(S, T)                                                                        \
+ * the vector rounding is lrintf's (to nearest even), so the bits are those of the scalar definition on
+ * every target. */
+#define QUANTIZE_ROWS(S, T, LOAD)                                                                  \
 static void quantize_rows_##S(const T *x, int64_t ldx, int64_t M, int64_t K, int8_t *x8, float *meta) { \
     _Pragma("omp for schedule(static)")                                                            \
     for (int64_t r = 0; r < M; r++)                                                                \
         for (int64_t b = 0; b < K / 32; b++) {                                                     \
-            const __m512 lo = load16_##S(x + r * ldx + b * 32), hi = load16_##S(x + r * ldx + b * 32 + 16); \
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))); \
+            const T *xb = x + r * ldx + b * 32;                                                    \
+            vec v[32 / LANES], amax_v = vec_zero();                                                \
+            for (int i = 0; i < 32 / LANES; i++) {                                                 \
+                v[i] = LOAD(xb + LANES * i);                                                       \
+                amax_v = vec_max(amax_v, vec_abs(v[i]));                                           \
+            }                                                                                      \
+            const float amax = vec_reduce_max(amax_v);                                             \
             const float dx = exact_div(amax, 127.f), inv = amax > 0.f ? exact_div(127.f, amax) : 0.f; \
-            const __m512 vinv = _mm512_set1_ps(inv);                                               \
-            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));                       \
-            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));                       \
             int8_t *q = x8 + r * K + b * 32;                                                       \
-            _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qlo));                             \
-            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qhi));                      \
-            const int sum_lo = _mm512_reduce_add_epi32(qlo), sum_hi = _mm512_reduce_add_epi32(qhi); \
+            int32_t sums[2] = {0, 0};                                                              \
+            for (int i = 0; i < 32 / LANES; i++) {                                                 \
+                const ivec qi = ivec_round(vec_mul(v[i], vec_set1(inv)));                          \
+                ivec_store_i8(q + LANES * i, qi);                                                  \
+                sums[i * LANES / 16] += ivec_reduce_add32(qi);                                     \
+            }                                                                                      \
             float *m = meta + (r * (K / 32) + b) * META;                                           \
             m[0] = dx;                                                                             \
-            m[1] = dx * (float)(sum_lo + sum_hi);                                                  \
-            m[2] = dx * (float)sum_lo;                                                             \
-            m[3] = dx * (float)sum_hi;                                                             \
+            m[1] = dx * (float)(sums[0] + sums[1]);                                                \
+            m[2] = dx * (float)sums[0];                                                            \
+            m[3] = dx * (float)sums[1];                                                            \
         }                                                                                          \
 }
 
-QUANTIZE_ROWS(f32, float)
-QUANTIZE_ROWS(bf16, uint16_t)
+QUANTIZE_ROWS(f32, float, vec_load)
+QUANTIZE_ROWS(bf16, uint16_t, vec_from_bf16)
 
 /* -- decoding: one 32-k block of one panel into u bytes (8 groups of 64, vpdpbusd's order) and float d, m -- */
 
-/* The `bits`-wide fields (8, 4 or 2) of a plane (quant.py's layout) as 8 vectors of bytes, groups 0..7. */
-static inline __attribute__((always_inline)) void plane_fields(const uint8_t *p, int bits, __m512i *w) {
+/* The `bits`-wide fields (8, 4 or 2) of a plane (quant.py's layout) as 8 panel rows of bytes, groups 0..7. */
+static inline __attribute__((always_inline)) void plane_fields(const uint8_t *p, int bits, pints *w) {
     if (bits == 8) {
-        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(p + 64 * g);
+        for (int g = 0; g < 8; g++) w[g] = pints_load(p + 64 * g);
     } else if (bits == 4) {
-        const __m512i mask = _mm512_set1_epi8(0x0F);
         for (int t = 0; t < 4; t++) {
-            const __m512i v = _mm512_loadu_si512(p + 64 * t);
-            w[t] = _mm512_and_si512(v, mask);
-            w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            const pints v = pints_load(p + 64 * t);
+            for (int i = 0; i < QV; i++) {
+                w[t].v[i] = ivec_and8(v.v[i], 0x0F);
+                w[t + 4].v[i] = ivec_and8(ivec_shr16(v.v[i], 4), 0x0F);
+            }
         }
     } else {  /* 2 */
-        const __m512i mask = _mm512_set1_epi8(0x03);
         for (int t = 0; t < 2; t++) {
-            const __m512i v = _mm512_loadu_si512(p + 64 * t);
-            for (int s = 0; s < 4; s++) w[t + 2 * s] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * s), mask);
+            const pints v = pints_load(p + 64 * t);
+            for (int s = 0; s < 4; s++)
+                for (int i = 0; i < QV; i++) w[t + 2 * s].v[i] = ivec_and8(ivec_shr16(v.v[i], 2 * s), 0x03);
         }
     }
 }
+
+/* IQ4_VALUES + 128, for a byte lookup. */
+static const uint8_t IQ4_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 /* Block b (0 .. sb / 32 - 1) of super-block `src` of one panel -> its u bytes w[8] (groups of 4 k) and per
  * sub (1 or 2) its d and m, in registers. Every scale is exact in float32 (a float16 times a small integer,
  * or times a power of 2), so where the values are kept does not change a bit. */
 static inline __attribute__((always_inline)) void decode_regs(const Format f, const uint8_t *src, int b,
-                                                              __m512i *w, __m512 *d, __m512 *m) {
+                                                              pints *w, pfloats *d, pfloats *m) {
     const int low = low_bits(f.bits), high = f.bits - low;
     const uint8_t *plane = src + b * plane_bytes(&f);
     plane_fields(plane, low, w);
     const uint8_t *upper = plane + 16 * 32 * low / 8;
-    if (high == 1) {  /* bit g of each byte is group g's: a byte mask adds 1 << low (off the shift port) */
-        const __m512i v = _mm512_loadu_si512(upper), add = _mm512_set1_epi8((char)(1 << low));
+    if (high == 1) {  /* bit g of each byte is group g's */
+        const pints v = pints_load(upper);
         for (int g = 0; g < 8; g++)
-            w[g] = _mm512_mask_add_epi8(w[g], _mm512_test_epi8_mask(v, _mm512_set1_epi8((char)(1 << g))), w[g], add);
+            for (int i = 0; i < QV; i++)
+                w[g].v[i] = ivec_add8_where(w[g].v[i], v.v[i], (uint8_t)(1 << g), (uint8_t)(1 << low));
     } else if (high == 2) {  /* Q6_K's bits 4-5: each 2-bit field moved to bits 4-5 by one shift, then masked */
-        const __m512i mask = _mm512_set1_epi8(0x30);
         for (int t = 0; t < 2; t++) {
-            const __m512i v = _mm512_loadu_si512(upper + 64 * t);
-            w[t] = _mm512_or_si512(w[t], _mm512_and_si512(_mm512_slli_epi16(v, 4), mask));
-            w[t + 2] = _mm512_or_si512(w[t + 2], _mm512_and_si512(_mm512_slli_epi16(v, 2), mask));
-            w[t + 4] = _mm512_or_si512(w[t + 4], _mm512_and_si512(v, mask));
-            w[t + 6] = _mm512_or_si512(w[t + 6], _mm512_and_si512(_mm512_srli_epi16(v, 2), mask));
+            const pints v = pints_load(upper + 64 * t);
+            for (int i = 0; i < QV; i++) {
+                w[t].v[i] = ivec_or(w[t].v[i], ivec_and8(ivec_shl16(v.v[i], 4), 0x30));
+                w[t + 2].v[i] = ivec_or(w[t + 2].v[i], ivec_and8(ivec_shl16(v.v[i], 2), 0x30));
+                w[t + 4].v[i] = ivec_or(w[t + 4].v[i], ivec_and8(v.v[i], 0x30));
+                w[t + 6].v[i] = ivec_or(w[t + 6].v[i], ivec_and8(ivec_shr16(v.v[i], 2), 0x30));
+            }
         }
     }
-    if (f.lut) {  /* IQ4_VALUES + 128 in each 128-bit lane, for vpshufb */
-        const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
-            1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181, (char)197,
-            (char)217, (char)241));
-        for (int g = 0; g < 8; g++) w[g] = _mm512_shuffle_epi8(table, w[g]);
-    }
+    if (f.lut)
+        for (int g = 0; g < 8; g++)
+            for (int i = 0; i < QV; i++) w[g].v[i] = ivec_lut8(IQ4_TABLE, w[g].v[i]);
     const uint8_t *scales = src + (f.sb / 32) * plane_bytes(&f);
-    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
-    const __m512 dmin = f.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32))) : d0;
+    pfloats d0, dmin;
+    for (int i = 0; i < QV; i++) {
+        d0.v[i] = vec_from_half(scales + 2 * LANES * i);
+        dmin.v[i] = f.has_min ? vec_from_half(scales + 32 + 2 * LANES * i) : d0.v[i];
+    }
     const uint8_t *subs = scales + 32 * (1 + f.has_min);
     const int sub = 32 / f.group, groups = f.sb / f.group;
     for (int h = 0; h < sub; h++) {
-        if (!f.sub_scales) {
-            d[h] = d0;
-            m[h] = f.has_min ? dmin : _mm512_mul_ps(d0, _mm512_set1_ps((float)-f.offset));
-            continue;
+        for (int i = 0; i < QV; i++) {
+            if (!f.sub_scales) {
+                d[h].v[i] = d0.v[i];
+                m[h].v[i] = f.has_min ? dmin.v[i] : vec_mul(d0.v[i], vec_set1((float)-f.offset));
+                continue;
+            }
+            const uint8_t *raw = subs + (b * sub + h) * 16 + LANES * i;
+            ivec sc, mn = ivec_zero();
+            if (f.sub_scales == 2) {
+                sc = ivec_from_i8(raw);
+            } else if (f.sub_scales == 3) {  /* scale | min << 4 */
+                const ivec both = ivec_from_u8(raw);
+                sc = ivec_and32(both, 0x0F);
+                mn = ivec_shr32(both, 4);
+            } else {
+                sc = ivec_from_u8(raw);
+                mn = ivec_from_u8(subs + (groups + b * sub + h) * 16 + LANES * i);
+            }
+            d[h].v[i] = vec_mul(vec_from_ivec(sc), d0.v[i]);
+            m[h].v[i] = f.has_min ? vec_sub(vec_zero(), vec_mul(vec_from_ivec(mn), dmin.v[i]))
+                                  : vec_mul(d[h].v[i], vec_set1((float)-f.offset));
         }
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(subs + (b * sub + h) * 16));
-        __m512i sc, mn = _mm512_setzero_si512();
-        if (f.sub_scales == 2) {
-            sc = _mm512_cvtepi8_epi32(raw);
-        } else if (f.sub_scales == 3) {  /* scale | min << 4 */
-            const __m512i both = _mm512_cvtepu8_epi32(raw);
-            sc = _mm512_and_si512(both, _mm512_set1_epi32(0x0F));
-            mn = _mm512_srli_epi32(both, 4);
-        } else {
-            sc = _mm512_cvtepu8_epi32(raw);
-            mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(subs + (groups + b * sub + h) * 16)));
-        }
-        d[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d0);
-        m[h] = f.has_min ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin))
-                         : _mm512_mul_ps(d[h], _mm512_set1_ps((float)-f.offset));
     }
+    /* The scales as decode_block stores them, also where they stay in registers (row_fused): seen
+     * through, -ffast-math may reassociate sc * d0 * dx differently there (it did, on NEON). */
+    for (int h = 0; h < sub; h++)
+        for (int i = 0; i < QV; i++) {
+            d[h].v[i] = vec_fence(d[h].v[i]);
+            m[h].v[i] = vec_fence(m[h].v[i]);
+        }
 }
+
+/* Whether a format's u reach 128 (Q8_0, the IQ4 tables): AVX2's vpmaddubsw then needs two steps. */
+static inline int wide(const Format f) { return f.bits == 8 || f.lut; }
 
 /* decode_regs, stored: u (512 bytes) and dm (per sub: d[16], m[16]). */
 static inline __attribute__((always_inline)) void decode_block(const Format f, const uint8_t *src, int b,
                                                                uint8_t *u, float *dm) {
-    __m512i w[8];
-    __m512 d[2], m[2];
+    pints w[8];
+    pfloats d[2], m[2];
     decode_regs(f, src, b, w, d, m);
-    for (int g = 0; g < 8; g++) _mm512_storeu_si512(u + 64 * g, w[g]);
+    for (int g = 0; g < 8; g++) pints_store(u + 64 * g, w[g]);
     for (int h = 0; h < 32 / f.group; h++) {
-        _mm512_storeu_ps(dm + 32 * h, d[h]);
-        _mm512_storeu_ps(dm + 32 * h + 16, m[h]);
+        pfloats_store(dm + 32 * h, d[h]);
+        pfloats_store(dm + 32 * h + 16, m[h]);
     }
 }
 
@@ -217,7 +299,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const Format f,
     const int64_t per_block = superblock_bytes(&f) * 32 / f.sb;
     const uintptr_t start = (uintptr_t)(panel + b * per_block + PREFETCH_BYTES);
     for (uintptr_t line = start & ~(uintptr_t)63; line < start + per_block; line += 64)
-        _mm_prefetch((const char *)line, _MM_HINT_T1);
+        __builtin_prefetch((const void *)line, 0, 2);
 }
 
 /* Blocks kb .. kb + nb - 1 of a panel (its packed bytes at `panel`) into `out` (nb x DECODED bytes). */
@@ -244,97 +326,97 @@ static void decode_any(int qtype, const uint8_t *panel, int64_t kb, int nb, uint
 
 /* -- the dot products over a decoded chunk ------------------------------------------------------- */
 
-static inline __m512i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
 /* acc[r * np + p] += a chunk of nb blocks (first block kb) for `rows` rows and np (1 or 2) panels whose
  * decoded chunks are `chunk_bytes` apart, one (d, m) per 32 k (sub 1). Two panels share each activation
- * broadcast, and the dpbusd chains run group-major over rows and panels: rows * np independent chains. A
- * row's sum for a column is the same integers and the same two float steps per block whatever the tile,
- * so its bits do not depend on np or on the rows beside it. */
+ * broadcast, and the dot-product chains run group-major over rows and panels: rows * np independent
+ * chains. A row's sum for a column is the same integers and the same two float steps per block whatever
+ * the tile, so its bits do not depend on np or on the rows beside it. */
 static inline __attribute__((always_inline)) void tile_sub1(
         const int8_t *x8, const float *meta, int64_t K, int64_t kb, int nb, const uint8_t *dec, int64_t chunk_bytes,
-        int np, int rows, float *acc_mem) {
+        int np, int rows, int span, int wide, float *acc_mem) {
     const int64_t blocks = K / 32;
-    __m512 acc[2 * QMAX_ROWS];
-    for (int i = 0; i < rows * np; i++) acc[i] = _mm512_loadu_ps(acc_mem + 16 * i);
+    pfloats acc[2 * QMAX_ROWS];
+    for (int i = 0; i < rows * np; i++) acc[i] = pfloats_load(acc_mem + 16 * i);
     for (int i = 0; i < nb; i++) {
         const int64_t b = kb + i;
-        __m512i isum[2 * QMAX_ROWS];
-        for (int j = 0; j < rows * np; j++) isum[j] = _mm512_setzero_si512();
+        pints isum[2 * QMAX_ROWS], part[2 * QMAX_ROWS];  /* part: the groups since the last pints_add_part */
+        for (int j = 0; j < rows * np; j++) isum[j] = part[j] = pints_zero();
         for (int t = 0; t < 4; t++) {
-            __m512i lo[2], hi[2];  /* groups t and t + 4 of each panel */
+            pints lo[2], hi[2];  /* groups t and t + 4 of each panel */
             for (int p = 0; p < np; p++) {
                 const uint8_t *u = dec + p * chunk_bytes + i * DECODED;
-                lo[p] = _mm512_loadu_si512(u + 64 * t);
-                hi[p] = _mm512_loadu_si512(u + 64 * (t + 4));
+                lo[p] = pints_load(u + 64 * t);
+                hi[p] = pints_load(u + 64 * (t + 4));
             }
             for (int r = 0; r < rows; r++) {
                 const int8_t *xq = x8 + r * K + b * 32;
-                const __m512i xl = bcast4(xq + 4 * t), xh = bcast4(xq + 4 * (t + 4));
-                for (int p = 0; p < np; p++) isum[r * np + p] = _mm512_dpbusd_epi32(isum[r * np + p], lo[p], xl);
-                for (int p = 0; p < np; p++) isum[r * np + p] = _mm512_dpbusd_epi32(isum[r * np + p], hi[p], xh);
+                for (int p = 0; p < np; p++) part[r * np + p] = pints_dot4(part[r * np + p], lo[p], xq + 4 * t, wide);
+                for (int p = 0; p < np; p++)
+                    part[r * np + p] = pints_dot4(part[r * np + p], hi[p], xq + 4 * (t + 4), wide);
             }
+            if (2 * (t + 1) % span == 0)  /* 2 (t + 1) groups so far */
+                for (int j = 0; j < rows * np; j++) {
+                    isum[j] = pints_add_part(isum[j], part[j], wide);
+                    part[j] = pints_zero();
+                }
         }
-        __m512 d[2], m[2];
+        pfloats d[2], m[2];
         for (int p = 0; p < np; p++) {
             const float *dm = (const float *)(dec + p * chunk_bytes + i * DECODED + 512);
-            d[p] = _mm512_loadu_ps(dm);
-            m[p] = _mm512_loadu_ps(dm + 16);
+            d[p] = pfloats_load(dm);
+            m[p] = pfloats_load(dm + 16);
         }
         for (int r = 0; r < rows; r++) {
             const float *mt = meta + (r * blocks + b) * META;
-            const __m512 dx = _mm512_set1_ps(mt[0]), sx = _mm512_set1_ps(mt[1]);
+            const pfloats dx = pfloats_set1(mt[0]), sx = pfloats_set1(mt[1]);
             for (int p = 0; p < np; p++) {
-                __m512 *a = &acc[r * np + p];
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r * np + p]), _mm512_mul_ps(d[p], dx), *a);
-                *a = _mm512_fmadd_ps(m[p], sx, *a);
+                pfloats *a = &acc[r * np + p];
+                *a = pfloats_fmadd(pfloats_of(isum[r * np + p]), pfloats_mul(d[p], dx), *a);
+                *a = pfloats_fmadd(m[p], sx, *a);
             }
         }
     }
-    for (int i = 0; i < rows * np; i++) _mm512_storeu_ps(acc_mem + 16 * i, acc[i]);
+    for (int i = 0; i < rows * np; i++) pfloats_store(acc_mem + 16 * i, acc[i]);
 }
 
-/* The integer dot product of one row's 16 activations (groups g0 .. g0 + 3) with a panel block. */
-static inline __attribute__((always_inline)) __m512i dot_groups(const __m512i *w, const int8_t *xq, int g0) {
-    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  /* two chains: latency */
+/* The integer dot product of one row's 16 activations (groups g0 .. g0 + 3) with a panel block: two
+ * chains (latency) of two groups, a part each (part_groups is at least 2). */
+static inline __attribute__((always_inline)) pints dot_groups(const pints *w, const int8_t *xq, int g0, int wide) {
+    pints even = pints_zero(), odd = pints_zero();
     for (int g = g0; g < g0 + 4; g += 2) {
-        even = _mm512_dpbusd_epi32(even, w[g], bcast4(xq + 4 * g));
-        odd = _mm512_dpbusd_epi32(odd, w[g + 1], bcast4(xq + 4 * (g + 1)));
+        even = pints_dot4(even, w[g], xq + 4 * g, wide);
+        odd = pints_dot4(odd, w[g + 1], xq + 4 * (g + 1), wide);
     }
-    return _mm512_add_epi32(even, odd);  /* integer: exact in any order */
+    return pints_add_part(pints_add_part(pints_zero(), even, wide), odd, wide);  /* integer: exact in any order */
 }
 
 /* acc[r] += a chunk for `rows` rows of one panel with a (d, m) per 16 k (sub 2). */
 static inline __attribute__((always_inline)) void tile_sub2(
         const int8_t *x8, const float *meta, int64_t K, int64_t kb, int nb, const uint8_t *dec, int rows,
-        float *acc_mem) {
+        int wide, float *acc_mem) {
     const int64_t blocks = K / 32;
-    __m512 acc[QMAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_loadu_ps(acc_mem + 16 * r);
+    pfloats acc[QMAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = pfloats_load(acc_mem + 16 * r);
     for (int i = 0; i < nb; i++) {
         const int64_t b = kb + i;
         const uint8_t *u = dec + i * DECODED;
-        __m512i w[8];
-        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(u + 64 * g);
+        pints w[8];
+        for (int g = 0; g < 8; g++) w[g] = pints_load(u + 64 * g);
         const float *dm = (const float *)(u + 512);
-        const __m512 d0 = _mm512_loadu_ps(dm), m0 = _mm512_loadu_ps(dm + 16);
-        const __m512 d1 = _mm512_loadu_ps(dm + 32), m1 = _mm512_loadu_ps(dm + 48);
+        const pfloats d0 = pfloats_load(dm), m0 = pfloats_load(dm + 16);
+        const pfloats d1 = pfloats_load(dm + 32), m1 = pfloats_load(dm + 48);
         for (int r = 0; r < rows; r++) {
             const float *mt = meta + (r * blocks + b) * META;
             const int8_t *xq = x8 + r * K + b * 32;
-            const __m512 dx = _mm512_set1_ps(mt[0]);
-            const __m512i lo = dot_groups(w, xq, 0), hi = dot_groups(w, xq, 4);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d0, dx), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d1, dx), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m0, _mm512_set1_ps(mt[2]), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(mt[3]), acc[r]);
+            const pfloats dx = pfloats_set1(mt[0]);
+            const pints lo = dot_groups(w, xq, 0, wide), hi = dot_groups(w, xq, 4, wide);
+            acc[r] = pfloats_fmadd(pfloats_of(lo), pfloats_mul(d0, dx), acc[r]);
+            acc[r] = pfloats_fmadd(pfloats_of(hi), pfloats_mul(d1, dx), acc[r]);
+            acc[r] = pfloats_fmadd(m0, pfloats_set1(mt[2]), acc[r]);
+            acc[r] = pfloats_fmadd(m1, pfloats_set1(mt[3]), acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc_mem + 16 * r, acc[r]);
+    for (int r = 0; r < rows; r++) pfloats_store(acc_mem + 16 * r, acc[r]);
 }
 
 /* One row over all of K for np panels, decoded in registers (no buffer): a batch-1 decode step. The same
@@ -342,43 +424,47 @@ static inline __attribute__((always_inline)) void tile_sub2(
  * computed among others. */
 static inline __attribute__((always_inline)) void row_fused(const Format f, const int8_t *x8, const float *meta,
                                                             int64_t K, const uint8_t *panel, int64_t panel_bytes,
-                                                            int np, __m512 *acc) {
+                                                            int np, pfloats *acc) {
     const int per_sb = f.sb / 32, sub = 32 / f.group;
     const int64_t sb_bytes = superblock_bytes(&f);
-    for (int p = 0; p < np; p++) acc[p] = _mm512_setzero_ps();
+    for (int p = 0; p < np; p++) acc[p] = pfloats_set1(0.f);
     for (int64_t b = 0; b < K / 32; b++) {
         const int8_t *xq = x8 + b * 32;
         const float *mt = meta + b * META;
-        const __m512 dx = _mm512_set1_ps(mt[0]);
+        const pfloats dx = pfloats_set1(mt[0]);
         for (int p = 0; p < np; p++) {
             const uint8_t *src = panel + p * panel_bytes + (b / per_sb) * sb_bytes;
             prefetch_block(f, panel + p * panel_bytes, b);
-            __m512i w[8];
-            __m512 d[2], m[2];
+            pints w[8];
+            pfloats d[2], m[2];
             decode_regs(f, src, (int)(b % per_sb), w, d, m);
             if (sub == 1) {
-                __m512i isum = _mm512_setzero_si512();
+                pints isum = pints_zero(), part = pints_zero();
                 for (int t = 0; t < 4; t++) {
-                    isum = _mm512_dpbusd_epi32(isum, w[t], bcast4(xq + 4 * t));
-                    isum = _mm512_dpbusd_epi32(isum, w[t + 4], bcast4(xq + 4 * (t + 4)));
+                    part = pints_dot4(part, w[t], xq + 4 * t, wide(f));
+                    part = pints_dot4(part, w[t + 4], xq + 4 * (t + 4), wide(f));
+                    if (2 * (t + 1) % part_groups(f.bits, wide(f)) == 0) {
+                        isum = pints_add_part(isum, part, wide(f));
+                        part = pints_zero();
+                    }
                 }
-                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d[0], dx), acc[p]);
-                acc[p] = _mm512_fmadd_ps(m[0], _mm512_set1_ps(mt[1]), acc[p]);
+                acc[p] = pfloats_fmadd(pfloats_of(isum), pfloats_mul(d[0], dx), acc[p]);
+                acc[p] = pfloats_fmadd(m[0], pfloats_set1(mt[1]), acc[p]);
             } else {
-                const __m512i lo = dot_groups(w, xq, 0), hi = dot_groups(w, xq, 4);
-                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d[0], dx), acc[p]);
-                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d[1], dx), acc[p]);
-                acc[p] = _mm512_fmadd_ps(m[0], _mm512_set1_ps(mt[2]), acc[p]);
-                acc[p] = _mm512_fmadd_ps(m[1], _mm512_set1_ps(mt[3]), acc[p]);
+                const pints lo = dot_groups(w, xq, 0, wide(f)), hi = dot_groups(w, xq, 4, wide(f));
+                acc[p] = pfloats_fmadd(pfloats_of(lo), pfloats_mul(d[0], dx), acc[p]);
+                acc[p] = pfloats_fmadd(pfloats_of(hi), pfloats_mul(d[1], dx), acc[p]);
+                acc[p] = pfloats_fmadd(m[0], pfloats_set1(mt[2]), acc[p]);
+                acc[p] = pfloats_fmadd(m[1], pfloats_set1(mt[3]), acc[p]);
             }
         }
     }
 }
 
 static void row_any(int qtype, const int8_t *x8, const float *meta, int64_t K, const uint8_t *panel,
-                    int64_t panel_bytes, int np, __m512 *acc) {
+                    int64_t panel_bytes, int np, pfloats *acc) {
     switch (qtype) {  /* a copy per format and panel count */
-#define ROW_CASE(Q) case Q: if (np == 2) row_fused(format_of(Q), x8, meta, K, panel, panel_bytes, 2, acc); \
+#define ROW_CASE(Q) case Q: if (QPAIRS && np == 2) row_fused(format_of(Q), x8, meta, K, panel, panel_bytes, 2, acc); \
                             else row_fused(format_of(Q), x8, meta, K, panel, panel_bytes, 1, acc); break;
         ROW_CASE(2) ROW_CASE(3) ROW_CASE(6) ROW_CASE(7) ROW_CASE(8) ROW_CASE(10)
         ROW_CASE(11) ROW_CASE(12) ROW_CASE(13) ROW_CASE(14) ROW_CASE(20) ROW_CASE(23)
@@ -386,43 +472,58 @@ static void row_any(int qtype, const int8_t *x8, const float *meta, int64_t K, c
     }
 }
 
-/* One tile, dispatched to a copy with literal rows and panels so that its loops unroll into registers. */
-#define SUB1(R, NP) tile_sub1(x8, meta, K, kb, nb, dec, chunk_bytes, NP, R, acc)
-#define SUB2(R, NP) tile_sub2(x8, meta, K, kb, nb, dec, R, acc)
-#define ROWS_6(F, NP)                                                                              \
-    switch (rows) {                                                                                \
-        case 1: F(1, NP); break; case 2: F(2, NP); break; case 3: F(3, NP); break;                 \
-        case 4: F(4, NP); break; case 5: F(5, NP); break; default: F(6, NP); break;                \
+/* One tile, dispatched to a copy with literal rows, panels, part span and width so that its loops unroll
+ * into registers. */
+#define SUB1(R, NP, WIDE) tile_sub1(x8, meta, K, kb, nb, dec, chunk_bytes, NP, R, span, WIDE, acc)
+#define SUB2(R, NP, WIDE) tile_sub2(x8, meta, K, kb, nb, dec, R, WIDE, acc)
+#define ROWS(F, NP, WIDE, MAX)                                                                     \
+    switch (rows < MAX ? rows : MAX) {                                                             \
+        case 1: F(1, NP, WIDE); break; case 2: F(2 < MAX ? 2 : MAX, NP, WIDE); break;              \
+        case 3: F(3 < MAX ? 3 : MAX, NP, WIDE); break; case 4: F(4 < MAX ? 4 : MAX, NP, WIDE); break; \
+        case 5: F(5 < MAX ? 5 : MAX, NP, WIDE); break; case 6: F(6 < MAX ? 6 : MAX, NP, WIDE); break; \
+        case 7: F(7 < MAX ? 7 : MAX, NP, WIDE); break; default: F(8 < MAX ? 8 : MAX, NP, WIDE); break; \
     }
-#define ROWS_8(F, NP)                                                                              \
-    switch (rows) {                                                                                \
-        case 1: F(1, NP); break; case 2: F(2, NP); break; case 3: F(3, NP); break;                 \
-        case 4: F(4, NP); break; case 5: F(5, NP); break; case 6: F(6, NP); break;                 \
-        case 7: F(7, NP); break; default: F(8, NP); break;                                         \
+#define TILES(WIDE)                                                                                \
+    if (sub == 2) {                                                                                \
+        ROWS(SUB2, 1, WIDE, QMAX_ROWS)                                                             \
+    } else if (QPAIRS && np == 2) {                                                                \
+        ROWS(SUB1, 2, WIDE, QPAIR_ROWS)                                                            \
+    } else {                                                                                       \
+        ROWS(SUB1, 1, WIDE, QMAX_ROWS)                                                             \
     }
 static void tile_any(const int8_t *x8, const float *meta, int64_t K, int64_t kb, int nb, const uint8_t *dec,
-                     int64_t chunk_bytes, int np, int sub, int rows, float *acc) {
-    if (sub == 2) {
-        ROWS_8(SUB2, 1)
-    } else if (np == 2) {
-        ROWS_6(SUB1, 2)
+                     int64_t chunk_bytes, int np, int sub, int bits, int is_wide, int rows, float *acc) {
+    const int groups = part_groups(bits, is_wide);  /* 8 but for 5 and 6 bits on AVX2 without VNNI */
+    if (is_wide) {
+        const int span = 8;
+        TILES(1)
+    } else if (groups == 2) {
+        const int span = 2;
+        TILES(0)
+    } else if (groups == 4) {
+        const int span = 4;
+        TILES(0)
     } else {
-        ROWS_8(SUB1, 1)
+        const int span = 8;
+        TILES(0)
     }
 }
 
-/* Work units: a pair of panels (sub 1) or one panel (sub 2, or sub 1's last panel when their count is odd). */
-static inline int unit_panels(int sub, int64_t panels, int64_t pn) { return sub == 1 && pn + 1 < panels ? 2 : 1; }
+/* Work units: a pair of panels (sub 1, where the target has the registers) or one panel (sub 2, or sub
+ * 1's last panel when their count is odd). */
+static inline int unit_panels(int sub, int64_t panels, int64_t pn) {
+    return QPAIRS && sub == 1 && pn + 1 < panels ? 2 : 1;
+}
 
-#define QGEMM(S, T, STORE_VEC)                                                                     \
+#define QGEMM(S, T, STORE_N)                                                                       \
 void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,           \
                T *out, int64_t ldo, int64_t M, int64_t N, int64_t K) {                             \
     const Format f = format_of(qtype);                                                             \
-    const int sub = 32 / f.group;                                                                  \
+    const int sub = 32 / f.group, pair = QPAIRS && sub == 1;                                       \
     int8_t *x8 = malloc((size_t)(M * K));                                                          \
     float *meta = malloc((size_t)(M * (K / 32) * META) * sizeof(float));                           \
     const int64_t panels = (N + QPANEL - 1) / QPANEL, row_blocks = (M + QROW_BLOCK - 1) / QROW_BLOCK; \
-    const int64_t units = sub == 1 ? (panels + 1) / 2 : panels, blocks = K / 32;                   \
+    const int64_t units = pair ? (panels + 1) / 2 : panels, blocks = K / 32;                       \
     const int64_t panel_bytes = K / f.sb * superblock_bytes(&f), chunk_bytes = CHUNK * DECODED;     \
     /* Split even a one-row call across threads: a decode step is bound by the weight stream. */   \
     _Pragma("omp parallel if(panels * K >= 2048)")                                                 \
@@ -435,13 +536,13 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
         _Pragma("omp for collapse(2) schedule(static)")                                            \
         for (int64_t un = 0; un < units; un++)                                                     \
             for (int64_t rb = 0; rb < row_blocks; rb++) {                                          \
-                const int64_t pn = sub == 1 ? 2 * un : un, m0 = rb * QROW_BLOCK;                   \
+                const int64_t pn = pair ? 2 * un : un, m0 = rb * QROW_BLOCK;                       \
                 const int64_t m_end = qmin64(M, m0 + QROW_BLOCK);                                  \
                 const int np = unit_panels(sub, panels, pn), tile_rows = np == 2 ? QPAIR_ROWS : QMAX_ROWS; \
                 if (M == 1) {  /* a batch-1 decode: decoded in registers */                        \
-                    __m512 row[2];                                                                 \
+                    pfloats row[2];                                                                \
                     row_any(qtype, x8, meta, K, w + pn * panel_bytes, panel_bytes, np, row);       \
-                    for (int p = 0; p < np; p++) _mm512_storeu_ps(acc + p * QPANEL, row[p]);       \
+                    for (int p = 0; p < np; p++) pfloats_store(acc + p * QPANEL, row[p]);          \
                 } else {                                                                           \
                 memset(acc, 0, sizeof(float) * (size_t)((m_end - m0) * np * QPANEL));              \
                 for (int64_t kb = 0; kb < blocks; kb += CHUNK) {                                   \
@@ -451,19 +552,21 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
                     for (int64_t r0 = m0; r0 < m_end; r0 += tile_rows) {                           \
                         const int rows = (int)qmin64(tile_rows, m_end - r0);                       \
                         tile_any(x8 + r0 * K, meta + r0 * blocks * META, K, kb, nb, dec, chunk_bytes, np, \
-                                 sub, rows, acc + (r0 - m0) * np * QPANEL);                        \
+                                 sub, f.bits, wide(f), rows, acc + (r0 - m0) * np * QPANEL);       \
                     }                                                                              \
                 }                                                                                  \
                 }                                                                                  \
                 for (int p = 0; p < np; p++) {                                                     \
                     const int64_t n0 = (pn + p) * QPANEL;                                          \
                     const int valid = (int)qmin64(QPANEL, N - n0);                                 \
-                    const __mmask16 mask = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);  \
-                    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps(); \
-                    for (int64_t r = m0; r < m_end; r++) {                                         \
-                        T *dst = out + r * ldo + n0;                                               \
-                        const __m512 a = _mm512_add_ps(_mm512_loadu_ps(acc + ((r - m0) * np + p) * QPANEL), bv); \
-                        STORE_VEC                                                                  \
+                    for (int i = 0; i < QV; i++) {                                                 \
+                        const int lanes = valid - LANES * i;                                       \
+                        if (lanes <= 0) break;                                                     \
+                        const vec bv = bias ? vec_load_n(bias + n0 + LANES * i, lanes) : vec_zero(); \
+                        for (int64_t r = m0; r < m_end; r++) {                                     \
+                            const float *a = acc + ((r - m0) * np + p) * QPANEL + LANES * i;       \
+                            STORE_N(out + r * ldo + n0 + LANES * i, vec_add(vec_load(a), bv), lanes); \
+                        }                                                                          \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
@@ -474,10 +577,8 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
     free(meta);                                                                                    \
 }
 
-QGEMM(f32, float, { _mm512_mask_storeu_ps(dst, mask, a); })
-#if defined(__AVX512BF16__)
-QGEMM(bf16, uint16_t, { _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(a)); })
-#endif
+QGEMM(f32, float, vec_store_n)
+QGEMM(bf16, uint16_t, vec_store_bf16_n)
 
 /* Rows `ids` of a packed weight, dequantized as w = d * v + m (the embedding table, when it is quantized). */
 #define QROWS(S, T, STORE)                                                                         \
