@@ -58,7 +58,9 @@ def test_static_trace_shows_padding_emptying_batches_and_blocked_arrivals(tmp_pa
     rows = read_trace(trace)
     assert list(rows[0]) == ["step", "t_start", "t_end", "num_scheduled_tokens", "num_prefill_tokens",
                              "num_decode_tokens", "num_padding_tokens", "num_running", "num_waiting",
-                             "num_kv_blocks_used", "num_kv_blocks_total", "num_preempted", "num_finished"]
+                             "num_kv_blocks_used", "num_kv_blocks_total", "num_preempted", "num_finished",
+                             "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_tier_ram_tokens",
+                             "num_tier_disk_tokens"]
     assert rows[0]["num_padding_tokens"] > 0, "prompts are padded to the batch's longest"
     first_batch = rows[: next(i for i, r in enumerate(rows[1:], 1) if r["num_prefill_tokens"] > 0)]
     running = [r["num_running"] for r in first_batch]
