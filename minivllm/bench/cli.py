@@ -197,9 +197,9 @@ def _span(bounds: tuple[int, int], sep: str = "..") -> str:
 
 # -- roofline -------------------------------------------------------------------------------------------
 def cmd_roofline(args: argparse.Namespace) -> None:
-    from minivllm.bench.roofline import file_bytes_per_token, format_roofline, measure
     import torch
 
+    from minivllm.bench.roofline import file_bytes_per_token, format_roofline, measure
     from minivllm.model.kernels import report
     from minivllm.model.loader import load_checkpoint, resolve_model_path
 

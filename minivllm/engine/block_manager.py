@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from minivllm.engine.sequence import Sequence
@@ -91,22 +91,28 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def _blocks_after(self, seq: Sequence, start: int) -> Iterator[tuple[bytes, tuple[int, ...], int | None]]:
+        """(hash, tokens, pool block or None) of `seq`'s reusable blocks from block `start` on, up to the
+        first whose pool block holds other tokens (a hash collision never serves another prompt's K/V)."""
+        bs = self.block_size
+        for i in range(start, self._num_reusable_blocks(seq)):
+            h, tokens = seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block_id = self.cached.get(h)
+            if block_id is not None and self.block_tokens[block_id] != tokens:
+                return
+            yield h, tokens, block_id
+
     def tier_reading(self, seq: Sequence, hits: list[int]) -> bool:
         """Whether blocks that follow `hits` (match_prefix's) are still being read from the tier's
         directory; asking starts their reads, which run beside the steps."""
         assert self.tier is not None
-        bs, reading = self.block_size, False
-        for i in range(len(hits), self._num_reusable_blocks(seq)):
-            h, tokens = seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block_id = self.cached.get(h)
-            if block_id is not None:
-                if self.block_tokens[block_id] != tokens:
+        reading = False
+        for h, tokens, block_id in self._blocks_after(seq, len(hits)):
+            if block_id is None:
+                ready = self.tier.ready(h, tokens)
+                if ready is False:
                     break
-                continue
-            ready = self.tier.ready(h, tokens)
-            if ready is False:
-                break
-            reading |= ready is None
+                reading |= ready is None
         return reading
 
     def load_from_tier(self, seq: Sequence, hits: list[int]) -> list[int]:
@@ -116,14 +122,11 @@ class BlockManager:
         block the prompt would take anyway, so the loads fit, and they never evict a hit (hits are moved
         to the far end of the free queue first, loaded blocks join them there)."""
         assert self.tier is not None
-        bs, hits = self.block_size, list(hits)
+        hits = list(hits)
         for block_id in hits:
             if self.ref_counts[block_id] == 0:
                 self.free_queue.move_to_end(block_id)
-        num_full = self._num_reusable_blocks(seq)
-        for i in range(len(hits), num_full):
-            h, tokens = seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block_id = self.cached.get(h)
+        for h, tokens, block_id in self._blocks_after(seq, len(hits)):
             if block_id is None:  # not in the pool: in the tier?
                 data = self.tier.fetch(h, tokens)  # in hand before _pop_free may evict into the tier
                 if data is None:
@@ -133,8 +136,6 @@ class BlockManager:
                 self.ref_counts[block_id] = 0
                 self.free_queue[block_id] = None
                 self.cached[h], self.block_hash[block_id], self.block_tokens[block_id] = block_id, h, tokens
-            elif self.block_tokens[block_id] != tokens:
-                break
             elif self.ref_counts[block_id] == 0:
                 self.free_queue.move_to_end(block_id)
             hits.append(block_id)

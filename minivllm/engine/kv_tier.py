@@ -200,10 +200,12 @@ class DiskTier:
             if name in self.index or name in self.writing:
                 return True
         try:  # written by another engine on this directory since we started?
-            self._add(name, (self.directory / name).stat().st_size)
-            return True
+            size = (self.directory / name).stat().st_size
         except OSError:
             return False
+        with self._lock:  # the I/O thread changes the index too
+            self._add(name, size)
+        return True
 
     def prefetch(self, key: bytes, tokens: tuple[int, ...]) -> concurrent.futures.Future:
         """The entry's read on the I/O thread (get's answer), started by the first call."""
@@ -218,8 +220,7 @@ class DiskTier:
 
     def take(self, key: bytes, tokens: tuple[int, ...]) -> torch.Tensor | None:
         """The entry's bytes, from its read ahead if one was started (waiting for it), else read now."""
-        future = self.reads.pop(key, None) or self.prefetch(key, tokens)
-        self.reads.pop(key, None)
+        future = self.reads.pop(key, None) or self._io.submit(self._timed_get, key, tokens)
         return future.result()
 
     def pending_reads(self) -> list[concurrent.futures.Future]:
