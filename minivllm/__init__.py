@@ -8,6 +8,7 @@ _EXPORTS = {
     "LLM": "minivllm.llm", "LLMEngine": "minivllm.engine.llm_engine", "EngineConfig": "minivllm.config",
     "SamplingParams": "minivllm.sampling_params", "RequestOutput": "minivllm.outputs",
     "CompletionOutput": "minivllm.outputs", "RequestMetrics": "minivllm.outputs",
+    "LoRARequest": "minivllm.lora.request",
 }
 __all__ = list(_EXPORTS)
 

@@ -121,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model.loader import resolve_model_path
     from minivllm.server import ServerOptions, serve
+    from minivllm.server.lora_routes import parse_lora_modules
     from minivllm.server.tools import load_chat_template
     from minivllm.startup import process_age, timed
 
@@ -131,8 +132,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
                             args.max_waiting_requests, load_chat_template(args.chat_template),
                             args.enable_auto_tool_choice, args.tool_call_parser)
 
+    adapters = parse_lora_modules(args.lora_modules or [])
+    if adapters and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+
     def build() -> LLMEngine:
         engine = LLMEngine(config)
+        for adapter in adapters:  # a bad one stops the start, naming what is wrong with it
+            engine.add_lora(adapter)
         engine.warm_up()
         with timed(engine.startup_time, "chat_template"):  # read and compiled now, not on the first request
             engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
@@ -216,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read out of the model's text (hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served beside the base (needs --enable-lora): name=path or "
+                        '{"name": ..., "path": ...}; a request picks one by its model field')
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes), each on its own loopback port, behind one router here")
     add_router_args(p)

@@ -76,6 +76,11 @@ class EngineConfig:
     kv_offloading_dir: str | None = _flag("a directory that keeps evicted prefix blocks across restarts (several "
                                           "engines may share it)", None)
     kv_offloading_disk_size: float = _flag("GiB that --kv-offloading-dir may hold", 16.0)
+    enable_lora: bool = _flag("serve LoRA adapters beside the base model (requests pick one by name)", False)
+    max_loras: int = _flag("most distinct LoRA adapters in one step", 1)
+    max_cpu_loras: int | None = _flag("LoRA adapters kept loaded, least recently used out (default: --max-loras)",
+                                      None)
+    max_lora_rank: int = _flag("largest LoRA rank accepted", 16)
     trace_file: str | None = _flag("write a per-step CSV trace here (and a Chrome trace .json beside it)", None)
 
     def __post_init__(self) -> None:
@@ -98,6 +103,12 @@ class EngineConfig:
             if not self.enable_prefix_caching or self.scheduler == "static" or self.tensor_parallel_size > 1:
                 raise ValueError("KV offloading keeps prefix-cache blocks: it needs enable_prefix_caching, "
                                  "--scheduler continuous and tensor_parallel_size 1")
+        if self.enable_lora:
+            if self.max_loras < 1 or (self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras):
+                raise ValueError(f"max_loras must be >= 1 and max_cpu_loras >= max_loras; got {self.max_loras} "
+                                 f"and {self.max_cpu_loras}")
+            if self.scheduler == "static" or self.tensor_parallel_size > 1:
+                raise ValueError("enable_lora needs --scheduler continuous and tensor_parallel_size 1")
         if self.speculative is not None and self.scheduler == "static":
             raise ValueError("speculative_config needs --scheduler continuous (a static batch verifies no drafts)")
         for f in fields(self):

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -25,18 +26,21 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None,
-                 tenant: Seq[str] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order. All prompts are validated before any runs."""
+                 tenant: Seq[str] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order. All prompts are validated before any runs.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _per_prompt(priority if priority is not None else 0, len(prompts), "priority")
         tenants = _per_prompt(tenant if tenant is not None else "default", len(prompts), "tenant")
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
         request_ids: list[list[str]] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                request_ids.append(self._add(prompt, p, priorities[i], tenants[i]))
+                request_ids.append(self._add(prompt, p, priorities[i], tenants[i], loras[i]))
         except ValueError as e:
             for ids in request_ids:
                 for rid in ids:
@@ -53,13 +57,15 @@ class LLM:
         prompts = [tok.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int, tenant: str) -> list[str]:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int, tenant: str,
+             lora_request: LoRARequest | None = None) -> list[str]:
         """Fan a request with n > 1 out into n engine requests (seeds kept distinct). Only the finished
         outputs are read (as vLLM's LLM does, FINAL_ONLY)."""
         if params.structured_outputs is not None:  # a grammar the library rejects is a ValueError here
             self.engine.structured_output.compile(params.structured_outputs).result()
         base = f"offline-{time.perf_counter_ns()}"
-        return [self.engine.add_request(f"{base}-{k}", prompt, child, priority=priority, tenant=tenant)
+        return [self.engine.add_request(f"{base}-{k}", prompt, child, priority=priority, tenant=tenant,
+                                        lora_request=lora_request)
                 for k, child in enumerate(replace(c, output_kind=RequestOutputKind.FINAL_ONLY)
                                           for c in params.fan_out())]
 

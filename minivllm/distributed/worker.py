@@ -30,7 +30,7 @@ class DriverRunner(ModelRunner):
 
     def _prepare(self, output: SchedulerOutput):
         inputs = super()._prepare(output)
-        input_ids, positions, meta, _ = inputs
+        input_ids, positions, meta = inputs[:3]
         self.group.send_step((input_ids, positions, dataclasses.replace(meta, kernel=None)))  # a C function
         return inputs
 

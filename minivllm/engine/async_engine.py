@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class EngineRequest:
     request_id: str
     prompt: PromptType
     params: SamplingParams  # n = 1: the caller fans n > 1 out (SamplingParams.fan_out)
+    lora_request: LoRARequest | None = None
 
 
 class RequestStream:
@@ -129,6 +131,22 @@ class AsyncEngine:
             raise
         return stream
 
+    async def utility(self, method: str, *args: Any) -> Any:
+        """LLMEngine.`method`(*args), run in the step thread between steps (the engine is not thread-safe);
+        its exception, if any, is raised here."""
+        self.check_running()
+        done = self._loop.create_future()
+
+        def call() -> None:
+            try:
+                result, error = getattr(self.engine, method)(*args), None
+            except Exception as e:  # handed to the caller, as the add path does
+                result, error = None, e
+            self._call_in_loop(_settle, done, result, error)
+
+        self._submit(call)
+        return await done
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests in any state; unknown or finished ids are ignored."""
         for rid in request_ids:
@@ -201,7 +219,7 @@ class AsyncEngine:
             try:
                 for r in requests:
                     done.append(self.engine.add_request(r.request_id, r.prompt, r.params, priority=priority,
-                                                        tenant=tenant))
+                                                        tenant=tenant, lora_request=r.lora_request))
             except ValueError:
                 for rid in done:  # all or none
                     self.engine.abort_request(rid)
@@ -214,6 +232,15 @@ class AsyncEngine:
     def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is left to tell
             self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

@@ -67,7 +67,9 @@ class BlockManager:
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_full_blocks):
-            parent = seq.block_hashes[i - 1] if i else None
+            # The first block's parent is the request's cache salt (its LoRA adapter's): the same tokens
+            # under another adapter have other K/V, so they must hash apart.
+            parent = seq.block_hashes[i - 1] if i else seq.cache_salt
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return seq.block_hashes
 

@@ -36,6 +36,8 @@ from minivllm.engine.spec_decode import PROPOSERS, DraftPrefix
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
+from minivllm.lora.manager import LoadedAdapter, LoRAManager
+from minivllm.lora.request import LoRARequest
 from minivllm.model import weight_cache
 from minivllm.model.kernels import layer_ops
 from minivllm.model.kernels import report as kernels_report
@@ -157,6 +159,8 @@ class LLMEngine:
                                                max_model_len=self.max_model_len)
                           if static else Scheduler(config, self.block_manager, policy, clock=clock))
         self.requests: dict[str, Sequence] = {}  # unfinished requests
+        self.lora_manager = (LoRAManager(self.runner.model, config.max_loras, config.max_cpu_loras,
+                                         config.max_lora_rank) if config.enable_lora else None)
         spec = config.speculative
         self.proposer = PROPOSERS[spec.method](spec) if spec else None
         if spec and not getattr(self.runner, "batch_invariant", False):
@@ -200,9 +204,12 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, tenant: str = "default") -> str:
-        """Queue a request; raises ValueError (naming the problem) for an invalid one."""
+                    arrival_time: float | None = None, priority: int = 0, tenant: str = "default",
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a request (under a LoRA adapter if `lora_request` names one: loaded now if need be);
+        raises ValueError (naming the problem) for an invalid one."""
         params = params or SamplingParams()
+        adapter = self._lora_adapter(lora_request) if lora_request is not None else None
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -233,6 +240,8 @@ class LLMEngine:
         if self.tokenizer:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         seq.bad_words_token_ids = self._bad_words(params.bad_words or [])
+        if adapter is not None:
+            seq.lora, seq.cache_salt = adapter, adapter.cache_salt
         if params.structured_outputs is not None:
             seq.grammar_future = self.structured_output.compile(params.structured_outputs)
             self._compiling.append(seq)
@@ -240,6 +249,25 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._notify(seq)
         return request_id
+
+    # -- LoRA adapters (lora/) ----------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and register an adapter; raises ValueError naming what is wrong with it (a rank above
+        max_lora_rank, modules the model lacks, shapes that do not fit, an unreadable file)."""
+        self._lora_adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unregister an adapter (requests running under it finish under it); False if unknown."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora_manager.list() if self.lora_manager is not None else []
+
+    def _lora_adapter(self, lora_request: LoRARequest) -> LoadedAdapter:
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
+        return self.lora_manager.add(lora_request)
 
     @property
     def structured_output(self) -> StructuredOutputManager:

@@ -261,6 +261,8 @@ class Scheduler(SchedulerBase):
                 return
             if seq.waiting_for_grammar:  # its grammar is compiling: the others go ahead (as in vLLM v1)
                 continue
+            if seq.lora is not None and not self._lora_fits(seq):  # --max-loras: the others go ahead
+                continue
             hits = self.block_manager.match_prefix(seq)
             if self.block_manager.tier is not None and self._room_for(seq, seq.num_tokens - len(hits) * bs, hits):
                 # The blocks that follow, copied back from the KV tier (a fraction of what computing
@@ -283,6 +285,12 @@ class Scheduler(SchedulerBase):
             self.num_partial += n < num_uncomputed
             self.budget -= n
             self._admit(seq, n, hits, output)
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s adapter may join the running ones: at most max_loras distinct adapters run at
+        once, so that no step holds more (every running sequence may be scheduled in one step)."""
+        running = {s.lora for s in self.running if s.lora is not None}
+        return seq.lora in running or len(running) < self.config.max_loras
 
     def _room_for(self, seq: Sequence, num_uncomputed: int, hits: list[int]) -> bool:
         """Admit only with blocks for the whole rest of the prompt plus the watermark, even when

@@ -136,6 +136,8 @@ def library(arch: str) -> ctypes.CDLL | None:
             getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _I64, _PTR]
         if hasattr(lib, f"forward_layers_{suffix}"):
             getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
+        getattr(lib, f"lora_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
+                                                   _PTR]
     lib.simd_target.restype = ctypes.c_char_p
     return lib
 
@@ -147,7 +149,7 @@ def _cpu_library(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None
 
 # The kernel families, each named by one function that exists when it does (the torch twins otherwise).
 FAMILIES = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_layers",
-            "paged attention": "paged_attention", "layer ops": "add_rms_norm"}
+            "paged attention": "paged_attention", "layer ops": "add_rms_norm", "LoRA": "lora"}
 
 
 def report(device: torch.device, dtype: torch.dtype) -> str:
@@ -299,6 +301,15 @@ def forward_layers(device: torch.device, dtype: torch.dtype):
     """csrc/forward.c's layer loop for this device and dtype (native_forward.py drives it), or None."""
     lib = _cpu_library(device, dtype)
     return None if lib is None else getattr(lib, f"forward_layers_{_DTYPE_SUFFIX[dtype]}", None)
+
+
+LORA_LANES, LORA_CHUNK, MAX_LORA_RANK = 16, 64, 512  # csrc/lora.c: rank and column padding, its buffer
+
+
+def lora_kernel(device: torch.device, dtype: torch.dtype):
+    """csrc/lora.c's segmented shrink-and-expand for this device and dtype (lora/layers.py drives it), or None."""
+    lib = _cpu_library(device, dtype)
+    return None if lib is None else getattr(lib, f"lora_{_DTYPE_SUFFIX[dtype]}")
 
 
 class LayerOps:

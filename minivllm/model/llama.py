@@ -7,7 +7,8 @@ at load time: fewer, larger GEMMs.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,16 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
     quantized_bias: torch.Tensor | None = None  # the bias in float32, as the quantized paths add it
 
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # lora/layers.py's LoRALinear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized.linear(x, self.quantized_bias)
-        if self.native is not None:
-            return self.native.forward(x, *self.packed, self.out_features)
-        return F.linear(x, self.weight, self.bias)
+            out = self.quantized.linear(x, self.quantized_bias)
+        elif self.native is not None:
+            out = self.native.forward(x, *self.packed, self.out_features)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)  # adapters' rows: base + B A x
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         self.quantized = weight
@@ -221,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
     # The whole layer loop in one native call (native_forward.py), when every kernel is native; the
     # Python loop in `forward` is its reference.
     native_forward: NativeForward | None = None
+    lora: Any = None  # lora/layers.py's LoRAContext once an engine serves adapters on this model
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -238,7 +244,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        if self.native_forward is not None and meta.kernel is not None:
+        # A step with adapter rows runs the Python loop, whose linear layers add them (the same bits otherwise).
+        if self.native_forward is not None and meta.kernel is not None and not (self.lora and self.lora.active):
             return self.native_forward(residual, rope, kv_caches, meta)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -2,6 +2,7 @@
 the sequences that sample this step (and of the prompt positions that prompt_logprobs scores)."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -42,9 +43,10 @@ class ModelRunner:
         rows for one that verifies k draft tokens: its last token's, then each draft token's), then one
         row per position that scores a prompt token (`prompt_logprob_positions`), in the same order."""
         start = time.perf_counter()
-        input_ids, positions, meta, sample_idx = self._prepare(output)
+        input_ids, positions, meta, sample_idx, lora_spans = self._prepare(output)
         self.prepare_time += time.perf_counter() - start
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        with self.model.lora.step(lora_spans) if lora_spans else contextlib.nullcontext():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden[sample_idx])
 
     def _slot(self, seq: Sequence, position: int) -> tuple[int, int]:
@@ -58,8 +60,10 @@ class ModelRunner:
         return self.attention_kernel is not None and self.model.uses_native_kernels
 
     def _prepare(self, output: SchedulerOutput):
-        # Decodes first, then prefill chunks, then padding; one span of rows per sequence.
-        decodes = [(s, n) for s, n in output.scheduled if n == 1]
+        # Decodes first (grouped by LoRA adapter, the base's first), then prefill chunks, then padding;
+        # one span of rows per sequence.
+        decodes = sorted(((s, n) for s, n in output.scheduled if n == 1),
+                         key=lambda e: (e[0].lora is not None, id(e[0].lora)))
         prefills = [(s, n) for s, n in output.scheduled if n > 1]
         scheduled = decodes + prefills
         ids: list[int] = []
@@ -98,8 +102,10 @@ class ModelRunner:
         sample_idx = [row_of_position_0[id(s)] + p for s, n in output.scheduled if will_sample(s, n)
                       for p in range(len(s.token_ids) - 1, s.num_computed_tokens + n)]
         sample_idx += [row_of_position_0[id(s)] + p for s, n in output.scheduled for p in prompt_logprob_positions(s, n)]
+        # (first row, rows, adapter) of each sequence that runs under a LoRA adapter (lora/layers.py)
+        lora_spans = [(first, n, seq.lora) for (seq, _), (first, n, _) in zip(scheduled, spans) if seq.lora is not None]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta, torch.tensor(sample_idx, dtype=torch.long, device=dev))
+                meta, torch.tensor(sample_idx, dtype=torch.long, device=dev), lora_spans)
 
     def _prefill_span(self, seq: Sequence, offset: int, start: int, end: int) -> PrefillSpan:
         span = PrefillSpan(start=offset, num_tokens=end - start, context_len=end)

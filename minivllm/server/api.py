@@ -38,9 +38,11 @@ from minivllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineReq
 from minivllm.engine.live import LiveFeed
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.trace import run_record
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.server.dashboard import Dashboard, add_routes
+from minivllm.server.lora_routes import LoRARoutes, add_lora_routes
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput, required_schema
 from minivllm.startup import phases_text, process_age
@@ -667,6 +669,7 @@ class _Generation:
     formatter: _Formatter
     prompt_field: str  # where a prompt error points: "prompt" or "messages"
     ignored: list[str]  # unknown request fields, named in the response
+    lora: LoRARequest | None = None  # the adapter the request's model names
 
 
 class OpenAIServer:
@@ -676,6 +679,7 @@ class OpenAIServer:
         self.max_num_seqs = engine.config.max_num_seqs
         self.metrics = ServerMetrics(options.served_model_name, lambda: self.engine.stats)
         self.engine = AsyncEngine(engine, options.max_waiting_requests, self.metrics.observe_finished)
+        self.lora = LoRARoutes(self.engine, options.served_model_name, engine.list_loras(), APIError)
 
     # -- endpoints -------------------------------------------------------------------------------------------
     async def health(self) -> Response:
@@ -690,13 +694,15 @@ class OpenAIServer:
         return Response(content, media_type=content_type)
 
     async def models(self) -> JSONResponse:
+        created = int(time.time())
         return JSONResponse({"object": "list", "data": [{
-            "id": self.options.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "minivllm", "max_model_len": self.engine.engine.max_model_len}]})
+            "id": self.options.served_model_name, "object": "model", "created": created,
+            "owned_by": "minivllm", "max_model_len": self.engine.engine.max_model_len},
+            *self.lora.model_cards(created)]})
 
     async def completions(self, request: Request) -> Response:
         body = _parse(CompletionRequest, await read_body(request))
-        self._check_model(body.model)
+        lora = self.lora.resolve(body.model)
         if body.suffix:
             raise APIError(400, "suffix: fill-in-the-middle is not supported: the served model has no FIM "
                                 "template (prefix/suffix/middle tokens)", "suffix", "unsupported")
@@ -708,11 +714,11 @@ class OpenAIServer:
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
         formatter = _CompletionFormatter(self._token_text, body.logprobs, echo, params.n)
         return await self._generate(request, _Generation(body, prompts, params, formatter, "prompt",
-                                                         ignored_fields(body)))
+                                                         ignored_fields(body), lora))
 
     async def chat_completions(self, request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await read_body(request))
-        self._check_model(body.model)
+        lora = self.lora.resolve(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tools = self._tool_output(body)
@@ -727,7 +733,7 @@ class OpenAIServer:
             raise APIError(400, f"messages: {e}", "messages") from None
         formatter = _ChatFormatter(self._token_text, body.top_logprobs or 0, tools)
         return await self._generate(request, _Generation(body, [prompt], params, formatter, "messages",
-                                                         ignored_fields(body)))
+                                                         ignored_fields(body), lora))
 
     def _tool_output(self, body: ChatCompletionRequest) -> ToolCallOutput | None:
         choice = body.effective_tool_choice
@@ -756,11 +762,6 @@ class OpenAIServer:
         return params
 
     # -- shared by both APIs -----------------------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.options.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.options.served_model_name}`", "model", "model_not_found")
-
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -769,9 +770,9 @@ class OpenAIServer:
             raise APIError(400, f"n must be <= {self.max_num_seqs} (max_num_seqs), got {gen.params.n}", "n")
         fmt = gen.formatter
         base = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": self.options.served_model_name}
+                "model": gen.lora.lora_name if gen.lora else self.options.served_model_name}
         children = gen.params.fan_out()
-        requests = [EngineRequest(f"{base['id']}-{p * len(children) + k}", prompt, child)
+        requests = [EngineRequest(f"{base['id']}-{p * len(children) + k}", prompt, child, gen.lora)
                     for p, prompt in enumerate(gen.prompts) for k, child in enumerate(children)]
         tracker = ChoiceTracker({r.request_id: i for i, r in enumerate(requests)}, len(children))
         try:
@@ -913,6 +914,7 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     app.get("/v1/models", dependencies=v1)(server.models)
     app.post("/v1/completions", dependencies=v1)(server.completions)
     app.post("/v1/chat/completions", dependencies=v1)(server.chat_completions)
+    add_lora_routes(app, server.lora, v1)
     add_routes(app, Dashboard(options.api_key, feed, title=options.served_model_name))
 
     add_error_handlers(app)
