@@ -84,7 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     spec = workload_spec(args)
     spec.update(request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency)
     base_url = args.base_url.rstrip("/")
-    target = ServeTarget(base_url, args.served_model_name or served_model(base_url, args.api_key), args.api_key)
+    target = ServeTarget(base_url, args.served_model_name or served_model(base_url, args.api_key), args.api_key,
+                         tuple(args.lora_modules or ()), args.lora_field)
     tokenizer, _ = load_tokenizer(args.model)
     rng = np.random.default_rng(spec["seed"])
     requests = with_arrivals(build_workload(spec, tokenizer, rng), args.request_rate, args.burstiness, rng)
@@ -370,6 +371,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times: 1 is Poisson, < 1 burstier, > 1 more regular")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters taken in turn, request by request (the probe request runs on the base)")
+    p.add_argument("--lora-field", choices=("model", "lora"), default="model",
+                   help="how a request names its adapter: the model field (vLLM, minivllm), or llama-server's "
+                        '"lora": [{"id": NAME, "scale": 1}] with NAME its adapter index')
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)")
     p.add_argument("--metric-percentiles", default="90,99", help="comma-separated percentiles to report")

@@ -27,6 +27,18 @@ class ServeTarget:
     base_url: str
     model: str
     api_key: str | None = None
+    # LoRA adapters taken in turn, request by request (--lora-modules): named in the request's `model`
+    # field (vLLM's and minivllm's way), or with lora_field "lora" as llama-server's adapter ids,
+    # `"lora": [{"id": N, "scale": 1.0}]`.
+    loras: tuple[str, ...] = ()
+    lora_field: str = "model"
+
+    def adapter_fields(self, index: int | None) -> dict:
+        """What picks the adapter of the `index`-th request (none for None or without adapters)."""
+        if index is None or not self.loras:
+            return {}
+        lora = self.loras[index % len(self.loras)]
+        return {"model": lora} if self.lora_field == "model" else {"lora": [{"id": int(lora), "scale": 1.0}]}
 
     @property
     def headers(self) -> dict[str, str]:
@@ -75,14 +87,16 @@ def counter_ratio(before: dict | None, after: dict | None, numerator: str, denom
     return num / added if num is not None and added else None
 
 
-def _payload(target: ServeTarget, req: BenchRequest, max_tokens: int) -> dict:
+def _payload(target: ServeTarget, req: BenchRequest, max_tokens: int, index: int | None) -> dict:
     return {"model": target.model, "prompt": req.prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **target.adapter_fields(index)}
 
 
 async def send_request(client: httpx.AsyncClient, target: ServeTarget, req: BenchRequest,
-                       tokenizer: Tokenizer, max_tokens: int | None = None) -> RequestRecord:
-    payload = _payload(target, req, max_tokens or req.output_len)
+                       tokenizer: Tokenizer, max_tokens: int | None = None, index: int | None = None) -> RequestRecord:
+    """`index`: the request's place in the workload, which picks its adapter (ServeTarget.loras)."""
+    payload = _payload(target, req, max_tokens or req.output_len, index)
     record = RequestRecord(req.prompt_len, 0, 0.0, 0.0, success=False)
     text, usage_tokens = "", None
     start = last = time.perf_counter()
@@ -133,12 +147,12 @@ async def run_benchmark(target: ServeTarget, requests: list[BenchRequest], token
     bar = tqdm(total=len(requests), desc="Requests", disable=not show_progress, dynamic_ncols=True)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        async def one(req: BenchRequest) -> RequestRecord:
+        async def one(index: int, req: BenchRequest) -> RequestRecord:
             if gate:
                 async with gate:
-                    record = await send_request(client, target, req, tokenizer)
+                    record = await send_request(client, target, req, tokenizer, index=index)
             else:
-                record = await send_request(client, target, req, tokenizer)
+                record = await send_request(client, target, req, tokenizer, index=index)
             bar.update(1)
             return record
 
@@ -148,11 +162,11 @@ async def run_benchmark(target: ServeTarget, requests: list[BenchRequest], token
             raise ValueError(f"the test request to {target.base_url} failed: {probe.error}")
         start = time.perf_counter()
         tasks = []
-        for req in requests:
+        for index, req in enumerate(requests):
             delay = start + req.arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req)))
+            tasks.append(asyncio.create_task(one(index, req)))
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()

@@ -34,7 +34,7 @@ class LoRAContext:
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.kernel = lora_kernel(device, dtype)
         self.segments: list[Segment] = []
-        self.starts = self.lens = self.ranks = self.weights = None  # the kernel's per-step arrays
+        self.starts = self.lens = self.weights = None  # the kernel's per-step arrays
 
     @property
     def active(self) -> bool:
@@ -54,15 +54,14 @@ class LoRAContext:
         if segments and self.kernel is not None:
             self.starts = torch.tensor([s.start for s in segments], dtype=torch.int64)
             self.lens = torch.tensor([s.rows for s in segments], dtype=torch.int64)
-            self.ranks = torch.tensor([s.adapter.padded_rank for s in segments], dtype=torch.int64)
-            # [layer targets, segments, 2]: per target the (AT, BT) addresses each segment uses.
+            # [layer targets, segments, 3]: per target each segment's (AT address, BT address, padded rank).
             self.weights = torch.stack([s.adapter.addresses for s in segments], dim=1).contiguous()
         self.segments = segments
         try:
             yield
         finally:
             self.segments = []
-            self.starts = self.lens = self.ranks = self.weights = None
+            self.starts = self.lens = self.weights = None
 
 
 class LoRALinear:
@@ -81,8 +80,7 @@ class LoRALinear:
                 x = x.contiguous()
             n_pad = ctx.segments[0].adapter.n_pad[self.index]
             ctx.kernel(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], out.shape[1], n_pad,
-                       len(ctx.segments), ctx.starts.data_ptr(), ctx.lens.data_ptr(),
-                       ctx.weights[self.index].data_ptr(), ctx.ranks.data_ptr())
+                       len(ctx.segments), ctx.starts.data_ptr(), ctx.lens.data_ptr(), ctx.weights[self.index].data_ptr())
             return out
         for s in ctx.segments:
             factors = s.adapter.weights[self.index]

@@ -43,21 +43,20 @@ def model_targets(model) -> list[Target]:
 
 @dataclass(eq=False)
 class LoadedAdapter:
-    """An adapter in the kernel's layout: per target (AT [in, padded_rank], BT [padded_rank, n_pad]) or
-    None where it leaves the layer alone, and their addresses for csrc/lora.c."""
+    """An adapter in the kernel's layout: per target (AT [in, padded rank], BT [padded rank, n_pad]) or
+    None where it leaves the layer alone, and their addresses and padded ranks for csrc/lora.c."""
     request: LoRARequest
     rank: int
-    padded_rank: int
     weights: list[tuple[torch.Tensor, torch.Tensor] | None]
     n_pad: list[int]
-    addresses: torch.Tensor  # int64 [targets, 2]
+    addresses: torch.Tensor  # int64 [targets, 3]: AT's address, BT's, the padded rank (zeros: none)
     cache_salt: bytes  # folded into the first prefix-cache block hash of its requests
 
 
 class LoRAManager:
     def __init__(self, model, max_loras: int, max_cpu_loras: int | None, max_lora_rank: int) -> None:
-        if max_lora_rank < 1 or max_lora_rank > MAX_LORA_RANK // 3:
-            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK // 3}], got {max_lora_rank}")
+        if max_lora_rank < 1 or max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {max_lora_rank}")
         max_cpu_loras = max_cpu_loras or max_loras
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
@@ -113,10 +112,9 @@ class LoRAManager:
             n = target.linear.out_features
             n_pad.append(-(-n // LORA_CHUNK) * LORA_CHUNK)
             per_target.append(self._layout(weights, target, n_pad[-1]))
-        padded_rank = max((at.shape[1] for at, _ in filter(None, per_target)), default=LORA_LANES)
-        addresses = torch.tensor([[w[0].data_ptr(), w[1].data_ptr()] if w else [0, 0] for w in per_target],
-                                 dtype=torch.int64)
-        return LoadedAdapter(request, weights.rank, padded_rank, per_target, n_pad, addresses, weights.fingerprint)
+        addresses = torch.tensor([[w[0].data_ptr(), w[1].data_ptr(), w[0].shape[1]] if w else [0, 0, 0]
+                                  for w in per_target], dtype=torch.int64)
+        return LoadedAdapter(request, weights.rank, per_target, n_pad, addresses, weights.fingerprint)
 
     def _check(self, weights: AdapterWeights, request: LoRARequest) -> None:
         where = f"adapter {request.lora_name!r} ({request.lora_path})"

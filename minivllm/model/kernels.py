@@ -136,8 +136,7 @@ def library(arch: str) -> ctypes.CDLL | None:
             getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _I64, _PTR]
         if hasattr(lib, f"forward_layers_{suffix}"):
             getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
-        getattr(lib, f"lora_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
-                                                   _PTR]
+        getattr(lib, f"lora_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
     lib.simd_target.restype = ctypes.c_char_p
     return lib
 
@@ -303,7 +302,8 @@ def forward_layers(device: torch.device, dtype: torch.dtype):
     return None if lib is None else getattr(lib, f"forward_layers_{_DTYPE_SUFFIX[dtype]}", None)
 
 
-LORA_LANES, LORA_CHUNK, MAX_LORA_RANK = 16, 64, 512  # csrc/lora.c: rank and column padding, its buffer
+LORA_LANES, LORA_CHUNK = 16, 64  # csrc/lora.c: rank and column padding
+MAX_LORA_RANK = 512  # per projection: a fused q/k/v's three fill csrc/lora.c's buffer of 1536
 
 
 def lora_kernel(device: torch.device, dtype: torch.dtype):

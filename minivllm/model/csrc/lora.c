@@ -21,7 +21,7 @@
 
 #define LORA_LANES 16      /* rank padding: a multiple of every target's LANES */
 #define LORA_CHUNK 64      /* expand: output columns per pass, kept in registers */
-#define MAX_LORA_RANK 512  /* lora/manager.py refuses larger ranks */
+#define MAX_LORA_RANK 1536  /* a fused q/k/v's three ranks of at most 512 each, padded */
 #define PARALLEL_ROWS 4    /* fewer rows than this run on the calling thread */
 
 #if defined(SIMD)
@@ -61,22 +61,21 @@ static inline void expand_chunk(const float *t, const float *bt, int64_t rank, i
 #endif
 
 /* x [rows][k] (x_stride apart), out [rows][n] (out_stride apart). Segment s covers rows
- * starts[s] .. + lens[s]; weights[2 s], weights[2 s + 1] are its adapter's AT and BT for this layer
- * (0: the adapter leaves this layer alone), ranks[s] its padded rank. */
+ * starts[s] .. + lens[s]; weights[3 s .. 3 s + 2] are its adapter's AT and BT for this layer (0: the
+ * adapter leaves this layer alone) and their padded rank. */
 #define DEFINE_LORA(S, T, LOAD, STORE)                                                                     \
 void lora_##S(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t k, int64_t n, int64_t n_pad, \
-              int64_t num_segments, const int64_t *starts, const int64_t *lens, const int64_t *weights,      \
-              const int64_t *ranks) {                                                                      \
+              int64_t num_segments, const int64_t *starts, const int64_t *lens, const int64_t *weights) {    \
     int64_t total = 0;                                                                                     \
     for (int64_t s = 0; s < num_segments; s++) total += lens[s];                                           \
     _Pragma("omp parallel for schedule(static) if(total >= PARALLEL_ROWS)")                                \
     for (int64_t r = 0; r < total; r++) {                                                                  \
         int64_t s = 0, before = 0;                                                                         \
         while (r - before >= lens[s]) before += lens[s++];                                                 \
-        const float *at = (const float *)(intptr_t)weights[2 * s];                                         \
-        const float *bt = (const float *)(intptr_t)weights[2 * s + 1];                                     \
-        if (at == 0 || bt == 0) continue;                                                                  \
-        const int64_t row = starts[s] + r - before, rank = ranks[s];                                       \
+        const float *at = (const float *)(intptr_t)weights[3 * s];                                         \
+        const float *bt = (const float *)(intptr_t)weights[3 * s + 1];                                     \
+        const int64_t row = starts[s] + r - before, rank = weights[3 * s + 2];                             \
+        if (at == 0 || bt == 0 || rank > MAX_LORA_RANK) continue;                                          \
         float xf[k], t[MAX_LORA_RANK], d[LORA_CHUNK];                                                      \
         const T *xr = x + row * x_stride;                                                                  \
         for (int64_t kk = 0; kk < k; kk++) xf[kk] = LOAD(xr[kk]);                                          \
