@@ -54,7 +54,7 @@ class LoRAContext:
         if segments and self.kernel is not None:
             self.starts = torch.tensor([s.start for s in segments], dtype=torch.int64)
             self.lens = torch.tensor([s.rows for s in segments], dtype=torch.int64)
-            # [layer targets, segments, 3]: per target each segment's (AT address, BT address, padded rank).
+            # [layer targets, segments, 4]: per target each segment's addresses for csrc/lora.c.
             self.weights = torch.stack([s.adapter.addresses for s in segments], dim=1).contiguous()
         self.segments = segments
         try:
@@ -83,10 +83,10 @@ class LoRALinear:
                        len(ctx.segments), ctx.starts.data_ptr(), ctx.lens.data_ptr(), ctx.weights[self.index].data_ptr())
             return out
         for s in ctx.segments:
-            factors = s.adapter.weights[self.index]
-            if factors is not None:
+            weights = s.adapter.weights[self.index]
+            if weights is not None:
                 rows = slice(s.start, s.start + s.rows)
-                out[rows] = lora_twin(x[rows], out[rows], *factors)
+                out[rows] = lora_twin(x[rows], out[rows], weights.at, weights.bt)
         return out
 
 

@@ -41,15 +41,22 @@ def model_targets(model) -> list[Target]:
     return targets
 
 
+@dataclass
+class TargetWeights:
+    at: torch.Tensor  # [in, padded rank] float32: the projections' A^T side by side
+    bt: torch.Tensor  # [padded rank, n_pad] float32: their B^T (scaled), block-diagonal
+    bands: torch.Tensor  # int64 [chunks of LORA_CHUNK columns, 2]: the rows of bt not zero there, [lo, hi)
+
+
 @dataclass(eq=False)
 class LoadedAdapter:
-    """An adapter in the kernel's layout: per target (AT [in, padded rank], BT [padded rank, n_pad]) or
-    None where it leaves the layer alone, and their addresses and padded ranks for csrc/lora.c."""
+    """An adapter in csrc/lora.c's layout: per target a TargetWeights, or None where it leaves the layer
+    alone; and per target the addresses the kernel reads."""
     request: LoRARequest
     rank: int
-    weights: list[tuple[torch.Tensor, torch.Tensor] | None]
+    weights: list[TargetWeights | None]
     n_pad: list[int]
-    addresses: torch.Tensor  # int64 [targets, 3]: AT's address, BT's, the padded rank (zeros: none)
+    addresses: torch.Tensor  # int64 [targets, 4]: AT's address, BT's, bands', the padded rank (zeros: none)
     cache_salt: bytes  # folded into the first prefix-cache block hash of its requests
 
 
@@ -112,8 +119,8 @@ class LoRAManager:
             n = target.linear.out_features
             n_pad.append(-(-n // LORA_CHUNK) * LORA_CHUNK)
             per_target.append(self._layout(weights, target, n_pad[-1]))
-        addresses = torch.tensor([[w[0].data_ptr(), w[1].data_ptr(), w[0].shape[1]] if w else [0, 0, 0]
-                                  for w in per_target], dtype=torch.int64)
+        addresses = torch.tensor([[w.at.data_ptr(), w.bt.data_ptr(), w.bands.data_ptr(), w.at.shape[1]] if w
+                                  else [0, 0, 0, 0] for w in per_target], dtype=torch.int64)
         return LoadedAdapter(request, weights.rank, per_target, n_pad, addresses, weights.fingerprint)
 
     def _check(self, weights: AdapterWeights, request: LoRARequest) -> None:
@@ -132,10 +139,10 @@ class LoRAManager:
                                    f" and lora_B {tuple(f.b.shape)} do not fit the model's "
                                    f"[{rows}, {target.linear.in_features}] weight")
 
-    def _layout(self, weights: AdapterWeights, target: Target, n_pad: int
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(AT, BT) of one target: the projections' A^T side by side, B^T block-diagonal; rank padded to
-        LORA_LANES and columns to n_pad with zeros (which add exact zeros)."""
+    def _layout(self, weights: AdapterWeights, target: Target, n_pad: int) -> TargetWeights | None:
+        """One target's weights: the projections' A^T side by side, B^T block-diagonal; rank padded to
+        LORA_LANES and columns to n_pad with zeros, and per chunk of columns the band of B^T's rows
+        that is not zero there (the kernel skips the rest)."""
         parts = [(weights.factors[(target.layer, p)], target.slices[p]) for p in PROJECTIONS
                  if p in target.slices and (target.layer, p) in weights.factors]
         if not parts:
@@ -144,10 +151,14 @@ class LoRAManager:
         padded = -(-total // LORA_LANES) * LORA_LANES
         at = torch.zeros(target.linear.in_features, padded)
         bt = torch.zeros(padded, n_pad)
+        bands = torch.zeros(n_pad // LORA_CHUNK, 2, dtype=torch.int64)
         col = 0
         for f, (row0, rows) in parts:
             r = f.a.shape[0]
             at[:, col:col + r] = f.a.T
             bt[col:col + r, row0:row0 + rows] = f.b.T
+            chunks = bands[row0 // LORA_CHUNK:-(-(row0 + rows) // LORA_CHUNK)]
+            chunks[:, 0] = torch.where(chunks[:, 1] > 0, chunks[:, 0], col)  # the first part in the chunk sets lo
+            chunks[:, 1] = col + r
             col += r
-        return at.to(self.device), bt.to(self.device)
+        return TargetWeights(at.to(self.device), bt.to(self.device), bands)

@@ -5,13 +5,16 @@
  * segment and keep their base output bit for bit.
  *
  * Layouts (float32, made once per adapter by lora/manager.py): AT = A^T [k][rank], BT = B^T [rank][n_pad],
- * rank padded with zeros to a multiple of LORA_LANES and n_pad to a multiple of LORA_CHUNK.
+ * rank padded with zeros to a multiple of LORA_LANES and n_pad to a multiple of LORA_CHUNK; a fused
+ * layer's projections sit side by side in AT and block-diagonally in BT, and `bands` says per chunk of
+ * LORA_CHUNK output columns which rows of BT [lo, hi) are not zero there.
  *   shrink  t[j] = sum_k x[k] * AT[k][j], one fma per k in k order
- *   expand  d[i] = sum_j t[j] * BT[j][i], one fma per j in j order; out[i] = round(out[i] + d[i])
+ *   expand  d[i] = sum_j t[j] * BT[j][i], one fma per j of its band in j order; out[i] = round(out[i] + d[i])
  * Vectors run across j (shrink) and across i (expand): every lane is its own output, so the sums have
- * the same roundings on every target and in the scalar build, and a row's result depends on its row
- * and its adapter alone, never on what else shares the call (batch invariance). The padding adds
- * exact zeros.
+ * the same roundings on every target and in the scalar build. Rows of one segment go through in tiles
+ * of up to LORA_TILE, each weight vector loaded once for the tile, each row with its own sums in the
+ * same order as alone: a row's result depends on its row and its adapter only, never on what else
+ * shares the call (batch invariance).
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,71 +23,89 @@
 #include "simd.h"
 
 #define LORA_LANES 16      /* rank padding: a multiple of every target's LANES */
-#define LORA_CHUNK 64      /* expand: output columns per pass, kept in registers */
-#define MAX_LORA_RANK 1536  /* a fused q/k/v's three ranks of at most 512 each, padded */
-#define PARALLEL_ROWS 4    /* fewer rows than this run on the calling thread */
+#define LORA_CHUNK 64      /* expand: output columns per pass */
+#define LORA_TILE 4        /* rows of one segment that share each weight load */
+#define MAX_LORA_RANK 1536 /* a fused q/k/v's three ranks of at most 512 each, padded */
 
 #if defined(SIMD)
-static inline void shrink(const float *x, const float *at, int64_t k, int64_t rank, float *t) {
-    for (int64_t j = 0; j < rank; j += LANES) vec_store(t + j, vec_zero());
+static inline void shrink(const float *x, int64_t m, int64_t k, const float *at, int64_t rank, float *t) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < rank; j += LANES) vec_store(t + i * rank + j, vec_zero());
     for (int64_t kk = 0; kk < k; kk++) {
-        const vec xk = vec_set1(x[kk]);
         const float *row = at + kk * rank;
-        for (int64_t j = 0; j < rank; j += LANES) vec_store(t + j, vec_fmadd(xk, vec_load(row + j), vec_load(t + j)));
+        for (int64_t j = 0; j < rank; j += LANES) {
+            const vec w = vec_load(row + j);
+            for (int64_t i = 0; i < m; i++) {
+                float *ti = t + i * rank + j;
+                vec_store(ti, vec_fmadd(vec_set1(x[i * k + kk]), w, vec_load(ti)));
+            }
+        }
     }
 }
 
-static inline void expand_chunk(const float *t, const float *bt, int64_t rank, int64_t n_pad, int64_t i0,
-                                float *d) {
-    vec acc[LORA_CHUNK / LANES];
-    for (int v = 0; v < LORA_CHUNK / LANES; v++) acc[v] = vec_zero();
-    for (int64_t j = 0; j < rank; j++) {
-        const vec tj = vec_set1(t[j]);
+static inline void expand_chunk(const float *t, int64_t m, int64_t rank, const float *bt, int64_t n_pad, int64_t i0,
+                                int64_t lo, int64_t hi, float *d) {
+    for (int64_t i = 0; i < m; i++)
+        for (int v = 0; v < LORA_CHUNK; v += LANES) vec_store(d + i * LORA_CHUNK + v, vec_zero());
+    for (int64_t j = lo; j < hi; j++) {
         const float *row = bt + j * n_pad + i0;
-        for (int v = 0; v < LORA_CHUNK / LANES; v++) acc[v] = vec_fmadd(tj, vec_load(row + v * LANES), acc[v]);
+        for (int v = 0; v < LORA_CHUNK; v += LANES) {
+            const vec w = vec_load(row + v);
+            for (int64_t i = 0; i < m; i++) {
+                float *di = d + i * LORA_CHUNK + v;
+                vec_store(di, vec_fmadd(vec_set1(t[i * rank + j]), w, vec_load(di)));
+            }
+        }
     }
-    for (int v = 0; v < LORA_CHUNK / LANES; v++) vec_store(d + v * LANES, acc[v]);
 }
 #else
-static inline void shrink(const float *x, const float *at, int64_t k, int64_t rank, float *t) {
-    for (int64_t j = 0; j < rank; j++) t[j] = 0.f;
+static inline void shrink(const float *x, int64_t m, int64_t k, const float *at, int64_t rank, float *t) {
+    for (int64_t i = 0; i < m * rank; i++) t[i] = 0.f;
     for (int64_t kk = 0; kk < k; kk++)
-        for (int64_t j = 0; j < rank; j++) t[j] = fmaf(x[kk], at[kk * rank + j], t[j]);
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < rank; j++) t[i * rank + j] = fmaf(x[i * k + kk], at[kk * rank + j], t[i * rank + j]);
 }
 
-static inline void expand_chunk(const float *t, const float *bt, int64_t rank, int64_t n_pad, int64_t i0,
-                                float *d) {
-    for (int i = 0; i < LORA_CHUNK; i++) d[i] = 0.f;
-    for (int64_t j = 0; j < rank; j++)
-        for (int i = 0; i < LORA_CHUNK; i++) d[i] = fmaf(t[j], bt[j * n_pad + i0 + i], d[i]);
+static inline void expand_chunk(const float *t, int64_t m, int64_t rank, const float *bt, int64_t n_pad, int64_t i0,
+                                int64_t lo, int64_t hi, float *d) {
+    for (int64_t i = 0; i < m * LORA_CHUNK; i++) d[i] = 0.f;
+    for (int64_t j = lo; j < hi; j++)
+        for (int64_t i = 0; i < m; i++)
+            for (int c = 0; c < LORA_CHUNK; c++)
+                d[i * LORA_CHUNK + c] = fmaf(t[i * rank + j], bt[j * n_pad + i0 + c], d[i * LORA_CHUNK + c]);
 }
 #endif
 
 /* x [rows][k] (x_stride apart), out [rows][n] (out_stride apart). Segment s covers rows
- * starts[s] .. + lens[s]; weights[3 s .. 3 s + 2] are its adapter's AT and BT for this layer (0: the
- * adapter leaves this layer alone) and their padded rank. */
+ * starts[s] .. + lens[s]; weights[4 s .. 4 s + 3] are its adapter's AT, BT and bands (int64 [chunks][2])
+ * for this layer and their padded rank (0: the adapter leaves this layer alone). */
 #define DEFINE_LORA(S, T, LOAD, STORE)                                                                     \
 void lora_##S(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t k, int64_t n, int64_t n_pad, \
               int64_t num_segments, const int64_t *starts, const int64_t *lens, const int64_t *weights) {    \
-    int64_t total = 0;                                                                                     \
-    for (int64_t s = 0; s < num_segments; s++) total += lens[s];                                           \
-    _Pragma("omp parallel for schedule(static) if(total >= PARALLEL_ROWS)")                                \
-    for (int64_t r = 0; r < total; r++) {                                                                  \
-        int64_t s = 0, before = 0;                                                                         \
-        while (r - before >= lens[s]) before += lens[s++];                                                 \
-        const float *at = (const float *)(intptr_t)weights[3 * s];                                         \
-        const float *bt = (const float *)(intptr_t)weights[3 * s + 1];                                     \
-        const int64_t row = starts[s] + r - before, rank = weights[3 * s + 2];                             \
-        if (at == 0 || bt == 0 || rank > MAX_LORA_RANK) continue;                                          \
-        float xf[k], t[MAX_LORA_RANK], d[LORA_CHUNK];                                                      \
-        const T *xr = x + row * x_stride;                                                                  \
-        for (int64_t kk = 0; kk < k; kk++) xf[kk] = LOAD(xr[kk]);                                          \
-        shrink(xf, at, k, rank, t);                                                                        \
-        T *o = out + row * out_stride;                                                                     \
-        for (int64_t i0 = 0; i0 < n; i0 += LORA_CHUNK) {                                                   \
-            expand_chunk(t, bt, rank, n_pad, i0, d);                                                       \
-            const int64_t m = n - i0 < LORA_CHUNK ? n - i0 : LORA_CHUNK;                                   \
-            for (int64_t i = 0; i < m; i++) o[i0 + i] = STORE(LOAD(o[i0 + i]) + d[i]);                     \
+    int64_t tiles = 0;                                                                                     \
+    for (int64_t s = 0; s < num_segments; s++) tiles += (lens[s] + LORA_TILE - 1) / LORA_TILE;             \
+    _Pragma("omp parallel for schedule(static) if(tiles > 1)")                                             \
+    for (int64_t tile = 0; tile < tiles; tile++) {                                                         \
+        int64_t s = 0, before = 0;  /* the tile's segment, and the tiles of the segments before it */     \
+        while (tile - before >= (lens[s] + LORA_TILE - 1) / LORA_TILE) before += (lens[s++] + LORA_TILE - 1) / LORA_TILE; \
+        const float *at = (const float *)(intptr_t)weights[4 * s];                                         \
+        const float *bt = (const float *)(intptr_t)weights[4 * s + 1];                                     \
+        const int64_t *bands = (const int64_t *)(intptr_t)weights[4 * s + 2];                              \
+        const int64_t rank = weights[4 * s + 3];                                                           \
+        if (at == 0 || rank <= 0 || rank > MAX_LORA_RANK) continue;                                        \
+        const int64_t first = starts[s] + (tile - before) * LORA_TILE;                                     \
+        const int64_t left = starts[s] + lens[s] - first, m = left < LORA_TILE ? left : LORA_TILE;          \
+        float xf[LORA_TILE * k], t[LORA_TILE * rank], d[LORA_TILE * LORA_CHUNK];                           \
+        for (int64_t i = 0; i < m; i++)                                                                    \
+            for (int64_t kk = 0; kk < k; kk++) xf[i * k + kk] = LOAD(x[(first + i) * x_stride + kk]);      \
+        shrink(xf, m, k, at, rank, t);                                                                     \
+        for (int64_t i0 = 0, c = 0; i0 < n; i0 += LORA_CHUNK, c++) {                                       \
+            expand_chunk(t, m, rank, bt, n_pad, i0, bands[2 * c], bands[2 * c + 1], d);                    \
+            const int64_t cols = n - i0 < LORA_CHUNK ? n - i0 : LORA_CHUNK;                                \
+            for (int64_t i = 0; i < m; i++) {                                                              \
+                T *o = out + (first + i) * out_stride + i0;                                                \
+                for (int64_t c2 = 0; c2 < cols; c2++) o[c2] = STORE(LOAD(o[c2]) + d[i * LORA_CHUNK + c2]); \
+            }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
 }
