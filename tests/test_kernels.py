@@ -156,7 +156,7 @@ def test_report_names_the_target_and_what_falls_back(cpu_target):
     families = ", ".join(FAMILIES)
     line = report(torch.device("cpu"), torch.bfloat16)
     if section == "none":
-        assert line == (f"minivllm: kernels for {cpu_target} (none): paged attention, layer ops; "
+        assert line == (f"minivllm: kernels for {cpu_target} (none): paged attention, layer ops, LoRA; "
                         "torch for: quantized GEMM, GEMM, layer loop")
     else:
         assert line == f"minivllm: kernels for {cpu_target} ({section}): {families}; torch for: nothing"

@@ -114,8 +114,11 @@ def test_llama_cpp_gguf_adapter_equals_peft(f32_llm: LLM, adapters: list[LoRAReq
     """convert_lora_to_gguf.py's file (Llama's q/k rows in llama.cpp's order) computes what PEFT's does."""
     from tests.llama_cpp import convert_lora
 
-    config = copy.deepcopy(hf_model.config)  # what the converter reads of the base: its config
-    config.architectures = [type(hf_model).__name__]  # (transformers leaves it out for a GGUF file)
+    # What the converter reads of the base: its config.json, as save_pretrained writes it, less what
+    # transformers adds for a GGUF file (its quantization) and with the class it leaves out.
+    config = copy.deepcopy(hf_model.config)
+    config.architectures = [type(hf_model).__name__]
+    del config.quantization_config
     config.save_pretrained(tmp_path / "base")
     gguf = convert_lora(Path(adapters[0].lora_path), tmp_path / "base", tmp_path / "all.gguf")
     cfg = f32_llm.engine.model_config

@@ -225,9 +225,9 @@ class AsyncEngine:
                     self.engine.abort_request(rid)
                 raise
         except (ValueError, QueueFullError) as e:
-            self._call_in_loop(_resolve, added, e)
+            self._call_in_loop(_settle, added, None, e)
         else:
-            self._call_in_loop(_resolve, added, None)
+            self._call_in_loop(_settle, added, None, None)
 
     def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is left to tell
@@ -242,11 +242,3 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
     else:
         future.set_exception(error)
 
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
