@@ -91,7 +91,7 @@ class LoRALinear:
 
 
 def lora_twin(x: torch.Tensor, out: torch.Tensor, at: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
-    """csrc/lora.c's arithmetic in torch (float32 products, one rounding into out's dtype), up to the
-    order of its sums: out + (x AT) BT for AT [k, rank], BT [rank, n_pad]."""
-    delta = (x.float() @ at) @ bt[:, :out.shape[1]]
+    """csrc/lora.c's arithmetic in torch (float32 sums, one rounding into out's dtype), up to the order
+    of its sums: out + (x AT) BT for AT [k, rank], BT [rank, n_pad]."""
+    delta = (x.float() @ at.float()) @ bt[:, :out.shape[1]].float()
     return (out.float() + delta).to(out.dtype)

@@ -43,8 +43,8 @@ def model_targets(model) -> list[Target]:
 
 @dataclass
 class TargetWeights:
-    at: torch.Tensor  # [in, padded rank] float32: the projections' A^T side by side
-    bt: torch.Tensor  # [padded rank, n_pad] float32: their B^T (scaled), block-diagonal
+    at: torch.Tensor  # [in, padded rank], the model's dtype: the projections' A^T side by side
+    bt: torch.Tensor  # [padded rank, n_pad], the model's dtype: their B^T (scaled), block-diagonal
     bands: torch.Tensor  # int64 [chunks of LORA_CHUNK columns, 2]: the rows of bt not zero there, [lo, hi)
 
 
@@ -70,7 +70,7 @@ class LoRAManager:
         self.model, self.max_lora_rank, self.max_cpu_loras = model, max_lora_rank, max_cpu_loras
         self.targets = model_targets(model)
         weight = model.norm.weight
-        self.device = weight.device
+        self.device, self.dtype = weight.device, weight.dtype  # the factors are kept in the model's dtype
         if model.lora is None:  # engines sharing one model share its hooks (each step sets its rows)
             model.lora = LoRAContext(weight.device, weight.dtype)
             for index, target in enumerate(self.targets):
@@ -161,4 +161,4 @@ class LoRAManager:
             chunks[:, 0] = torch.where(chunks[:, 1] > 0, chunks[:, 0], col)  # the first part in the chunk sets lo
             chunks[:, 1] = col + r
             col += r
-        return TargetWeights(at.to(self.device), bt.to(self.device), bands)
+        return TargetWeights(at.to(self.device, self.dtype), bt.to(self.device, self.dtype), bands)

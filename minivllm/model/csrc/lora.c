@@ -4,7 +4,8 @@
  * on top of the base layer's output, which is never touched otherwise. Rows of no adapter are in no
  * segment and keep their base output bit for bit.
  *
- * Layouts (float32, made once per adapter by lora/manager.py): AT = A^T [k][rank], BT = B^T [rank][n_pad],
+ * Layouts (in the model's dtype, made once per adapter by lora/manager.py; sums in float32): AT = A^T
+ * [k][rank], BT = B^T [rank][n_pad],
  * rank padded with zeros to a multiple of LORA_LANES and n_pad to a multiple of LORA_CHUNK; a fused
  * layer's projections sit side by side in AT and block-diagonally in BT, and `bands` says per chunk of
  * LORA_CHUNK output columns which rows of BT [lo, hi) are not zero there.
@@ -27,53 +28,65 @@
 #define LORA_TILE 4        /* rows of one segment that share each weight load */
 #define MAX_LORA_RANK 1536 /* a fused q/k/v's three ranks of at most 512 each, padded */
 
+/* shrink: t[i][j] = sum_k x[i][k] AT[k][j]; expand_chunk: d[i][c] = sum_{j in [lo, hi)} t[i][j] BT[j][i0 + c].
+ * The weights are in the model's dtype (W), read as float32 vectors (WVEC) or scalars (WLOAD). */
 #if defined(SIMD)
-static inline void shrink(const float *x, int64_t m, int64_t k, const float *at, int64_t rank, float *t) {
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < rank; j += LANES) vec_store(t + i * rank + j, vec_zero());
-    for (int64_t kk = 0; kk < k; kk++) {
-        const float *row = at + kk * rank;
-        for (int64_t j = 0; j < rank; j += LANES) {
-            const vec w = vec_load(row + j);
-            for (int64_t i = 0; i < m; i++) {
-                float *ti = t + i * rank + j;
-                vec_store(ti, vec_fmadd(vec_set1(x[i * k + kk]), w, vec_load(ti)));
-            }
-        }
-    }
-}
-
-static inline void expand_chunk(const float *t, int64_t m, int64_t rank, const float *bt, int64_t n_pad, int64_t i0,
-                                int64_t lo, int64_t hi, float *d) {
-    for (int64_t i = 0; i < m; i++)
-        for (int v = 0; v < LORA_CHUNK; v += LANES) vec_store(d + i * LORA_CHUNK + v, vec_zero());
-    for (int64_t j = lo; j < hi; j++) {
-        const float *row = bt + j * n_pad + i0;
-        for (int v = 0; v < LORA_CHUNK; v += LANES) {
-            const vec w = vec_load(row + v);
-            for (int64_t i = 0; i < m; i++) {
-                float *di = d + i * LORA_CHUNK + v;
-                vec_store(di, vec_fmadd(vec_set1(t[i * rank + j]), w, vec_load(di)));
-            }
-        }
-    }
+#define DEFINE_PRODUCTS(S, W, WVEC, WLOAD)                                                                 \
+static inline void shrink_##S(const float *x, int64_t m, int64_t k, const W *at, int64_t rank, float *t) {  \
+    for (int64_t i = 0; i < m; i++)                                                                        \
+        for (int64_t j = 0; j < rank; j += LANES) vec_store(t + i * rank + j, vec_zero());                 \
+    for (int64_t kk = 0; kk < k; kk++) {                                                                   \
+        const W *row = at + kk * rank;                                                                     \
+        for (int64_t j = 0; j < rank; j += LANES) {                                                        \
+            const vec w = WVEC(row + j);                                                                   \
+            for (int64_t i = 0; i < m; i++) {                                                              \
+                float *ti = t + i * rank + j;                                                              \
+                vec_store(ti, vec_fmadd(vec_set1(x[i * k + kk]), w, vec_load(ti)));                        \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+}                                                                                                          \
+static inline void expand_chunk_##S(const float *t, int64_t m, int64_t rank, const W *bt, int64_t n_pad,     \
+                                    int64_t i0, int64_t lo, int64_t hi, float *d) {                        \
+    for (int64_t i = 0; i < m; i++)                                                                        \
+        for (int v = 0; v < LORA_CHUNK; v += LANES) vec_store(d + i * LORA_CHUNK + v, vec_zero());         \
+    for (int64_t j = lo; j < hi; j++) {                                                                    \
+        const W *row = bt + j * n_pad + i0;                                                                \
+        for (int v = 0; v < LORA_CHUNK; v += LANES) {                                                      \
+            const vec w = WVEC(row + v);                                                                   \
+            for (int64_t i = 0; i < m; i++) {                                                              \
+                float *di = d + i * LORA_CHUNK + v;                                                        \
+                vec_store(di, vec_fmadd(vec_set1(t[i * rank + j]), w, vec_load(di)));                      \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
 }
 #else
-static inline void shrink(const float *x, int64_t m, int64_t k, const float *at, int64_t rank, float *t) {
-    for (int64_t i = 0; i < m * rank; i++) t[i] = 0.f;
-    for (int64_t kk = 0; kk < k; kk++)
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < rank; j++) t[i * rank + j] = fmaf(x[i * k + kk], at[kk * rank + j], t[i * rank + j]);
+#define DEFINE_PRODUCTS(S, W, WVEC, WLOAD)                                                                 \
+static inline void shrink_##S(const float *x, int64_t m, int64_t k, const W *at, int64_t rank, float *t) {  \
+    for (int64_t i = 0; i < m * rank; i++) t[i] = 0.f;                                                     \
+    for (int64_t kk = 0; kk < k; kk++)                                                                     \
+        for (int64_t i = 0; i < m; i++)                                                                    \
+            for (int64_t j = 0; j < rank; j++)                                                             \
+                t[i * rank + j] = fmaf(x[i * k + kk], WLOAD(at[kk * rank + j]), t[i * rank + j]);          \
+}                                                                                                          \
+static inline void expand_chunk_##S(const float *t, int64_t m, int64_t rank, const W *bt, int64_t n_pad,     \
+                                    int64_t i0, int64_t lo, int64_t hi, float *d) {                        \
+    for (int64_t i = 0; i < m * LORA_CHUNK; i++) d[i] = 0.f;                                               \
+    for (int64_t j = lo; j < hi; j++)                                                                      \
+        for (int64_t i = 0; i < m; i++)                                                                    \
+            for (int c = 0; c < LORA_CHUNK; c++)                                                           \
+                d[i * LORA_CHUNK + c] = fmaf(t[i * rank + j], WLOAD(bt[j * n_pad + i0 + c]), d[i * LORA_CHUNK + c]); \
 }
+#endif
 
-static inline void expand_chunk(const float *t, int64_t m, int64_t rank, const float *bt, int64_t n_pad, int64_t i0,
-                                int64_t lo, int64_t hi, float *d) {
-    for (int64_t i = 0; i < m * LORA_CHUNK; i++) d[i] = 0.f;
-    for (int64_t j = lo; j < hi; j++)
-        for (int64_t i = 0; i < m; i++)
-            for (int c = 0; c < LORA_CHUNK; c++)
-                d[i * LORA_CHUNK + c] = fmaf(t[i * rank + j], bt[j * n_pad + i0 + c], d[i * LORA_CHUNK + c]);
-}
+#if defined(SIMD)
+static inline vec vec_load_f32(const float *p) { return vec_load(p); }
+DEFINE_PRODUCTS(bf16, uint16_t, vec_from_bf16, bf16_to_float)
+DEFINE_PRODUCTS(f32, float, vec_load_f32, f32_load)
+#else
+DEFINE_PRODUCTS(bf16, uint16_t, , bf16_to_float)
+DEFINE_PRODUCTS(f32, float, , f32_load)
 #endif
 
 /* x [rows][k] (x_stride apart), out [rows][n] (out_stride apart). Segment s covers rows
@@ -88,8 +101,8 @@ void lora_##S(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t 
     for (int64_t tile = 0; tile < tiles; tile++) {                                                         \
         int64_t s = 0, before = 0;  /* the tile's segment, and the tiles of the segments before it */     \
         while (tile - before >= (lens[s] + LORA_TILE - 1) / LORA_TILE) before += (lens[s++] + LORA_TILE - 1) / LORA_TILE; \
-        const float *at = (const float *)(intptr_t)weights[4 * s];                                         \
-        const float *bt = (const float *)(intptr_t)weights[4 * s + 1];                                     \
+        const T *at = (const T *)(intptr_t)weights[4 * s];                                                 \
+        const T *bt = (const T *)(intptr_t)weights[4 * s + 1];                                             \
         const int64_t *bands = (const int64_t *)(intptr_t)weights[4 * s + 2];                              \
         const int64_t rank = weights[4 * s + 3];                                                           \
         if (at == 0 || rank <= 0 || rank > MAX_LORA_RANK) continue;                                        \
@@ -98,9 +111,9 @@ void lora_##S(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t 
         float xf[LORA_TILE * k], t[LORA_TILE * rank], d[LORA_TILE * LORA_CHUNK];                           \
         for (int64_t i = 0; i < m; i++)                                                                    \
             for (int64_t kk = 0; kk < k; kk++) xf[i * k + kk] = LOAD(x[(first + i) * x_stride + kk]);      \
-        shrink(xf, m, k, at, rank, t);                                                                     \
+        shrink_##S(xf, m, k, at, rank, t);                                                                        \
         for (int64_t i0 = 0, c = 0; i0 < n; i0 += LORA_CHUNK, c++) {                                       \
-            expand_chunk(t, m, rank, bt, n_pad, i0, bands[2 * c], bands[2 * c + 1], d);                    \
+            expand_chunk_##S(t, m, rank, bt, n_pad, i0, bands[2 * c], bands[2 * c + 1], d);                \
             const int64_t cols = n - i0 < LORA_CHUNK ? n - i0 : LORA_CHUNK;                                \
             for (int64_t i = 0; i < m; i++) {                                                              \
                 T *o = out + (first + i) * out_stride + i0;                                                \
