@@ -82,6 +82,12 @@ def adapters(f32_llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> list[LoR
     return [LoRARequest(p.name, i, str(p)) for i, p in enumerate(paths, start=1)]
 
 
+def require_batch_invariance(llm: LLM) -> None:
+    if not llm.engine.runner.batch_invariant:
+        pytest.skip("the native kernels are not in use here (no compiler, or MINIVLLM_NO_KERNELS): "
+                    "the torch kernels are not batch-invariant")
+
+
 def tokens(llm: LLM, prompts: list[str], lora: Any = None, n: int = NUM_TOKENS) -> list[list[int]]:
     outs = llm.generate(prompts, greedy(n), use_tqdm=False, lora_request=lora)
     return [o.outputs[0].token_ids for o in outs]
@@ -134,10 +140,10 @@ def test_llama_cpp_gguf_adapter_equals_peft(f32_llm: LLM, adapters: list[LoRAReq
 
 def test_mixed_batch_gives_each_request_its_tokens_alone(bf16_llm: LLM, adapters: list[LoRARequest]) -> None:
     """bf16 on the quantized base: three adapters and the base in the same steps, by equality."""
-    prompts = PROMPTS + [EQUALITY_PROMPTS[4]]
+    require_batch_invariance(bf16_llm)
+    prompts = EQUALITY_PROMPTS[1:5]
     loras = [*adapters, None]
     alone = [tokens(bf16_llm, [p], lora)[0] for p, lora in zip(prompts, loras)]
-    assert len({tuple(t) for t in alone}) == len(alone)
     assert tokens(bf16_llm, prompts[::-1], loras[::-1]) == alone[::-1]
     assert_idle(bf16_llm.engine)
 
@@ -148,13 +154,13 @@ def test_max_loras_caps_the_adapters_of_a_step(bf16_llm: LLM, adapters: list[LoR
     try:
         ids = [engine.add_request(None, p, greedy(4), lora_request=a)
                for p, a in zip(PROMPTS * 2, adapters + adapters[::-1])]
-        seen = set()
+        finished, ran = set(), set()
         while engine.has_unfinished_requests():
-            running = {s.lora.request.lora_name for s in engine.scheduler.running if s.lora is not None}
-            assert len(running) <= 2
-            seen |= running
-            seen |= {o.request_id for o in engine.step() if o.finished}
-        assert seen >= set(ids) | {a.lora_name for a in adapters}
+            finished |= {o.request_id for o in engine.step() if o.finished}
+            running = {s.lora.request.lora_name for s in engine.scheduler.running}
+            assert len(running) <= 2, f"adapters running at once: {running}"
+            ran |= running
+        assert finished == set(ids) and ran == {a.lora_name for a in adapters}
     finally:
         engine.config.max_loras = 4
     assert_idle(engine)
@@ -163,6 +169,7 @@ def test_max_loras_caps_the_adapters_of_a_step(bf16_llm: LLM, adapters: list[LoR
 def test_prefix_cache_keeps_adapters_apart(bf16_llm: LLM, adapters: list[LoRARequest]) -> None:
     """A prompt of several full blocks under one adapter, then another, then the base: no hit; then the
     first adapter again: a hit, and the same tokens."""
+    require_batch_invariance(bf16_llm)
     engine = bf16_llm.engine
     bm = engine.block_manager
     prompt = LONG_PROMPT[:300]

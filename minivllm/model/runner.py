@@ -57,7 +57,9 @@ class ModelRunner:
     def batch_invariant(self) -> bool:
         """Whether a request's logits are the same bits whatever else shares its steps: true when every
         GEMM, layer op and the attention run the native kernels (kernels.py), not the torch twins."""
-        return self.attention_kernel is not None and self.model.uses_native_kernels
+        lora = self.model.lora
+        return (self.attention_kernel is not None and self.model.uses_native_kernels
+                and (lora is None or lora.kernel is not None))
 
     def _prepare(self, output: SchedulerOutput):
         # Decodes first (grouped by LoRA adapter, the base's first), then prefill chunks, then padding;
