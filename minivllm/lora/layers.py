@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.model.kernels import lora_kernel
+from minivllm.model.kernels import LORA_CHUNK, lora_kernel
 
 if TYPE_CHECKING:
     from minivllm.lora.manager import LoadedAdapter
@@ -78,8 +78,8 @@ class LoRALinear:
         if ctx.kernel is not None:
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            n_pad = ctx.segments[0].adapter.n_pad[self.index]
-            ctx.kernel(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], out.shape[1], n_pad,
+            n = out.shape[1]
+            ctx.kernel(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[1], n, padded_columns(n),
                        len(ctx.segments), ctx.starts.data_ptr(), ctx.lens.data_ptr(), ctx.weights[self.index].data_ptr())
             return out
         for s in ctx.segments:
@@ -88,6 +88,11 @@ class LoRALinear:
                 rows = slice(s.start, s.start + s.rows)
                 out[rows] = lora_twin(x[rows], out[rows], weights.at, weights.bt)
         return out
+
+
+def padded_columns(n: int) -> int:
+    """A layer's output columns padded to whole chunks of csrc/lora.c's expand (B^T's row length)."""
+    return -(-n // LORA_CHUNK) * LORA_CHUNK
 
 
 def lora_twin(x: torch.Tensor, out: torch.Tensor, at: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.lora.adapter import PROJECTIONS, AdapterError, AdapterWeights, read_adapter
-from minivllm.lora.layers import LoRAContext, LoRALinear
+from minivllm.lora.layers import LoRAContext, LoRALinear, padded_columns
 from minivllm.lora.request import LoRARequest
 from minivllm.model.kernels import LORA_CHUNK, LORA_LANES, MAX_LORA_RANK
 
@@ -53,9 +53,7 @@ class LoadedAdapter:
     """An adapter in csrc/lora.c's layout: per target a TargetWeights, or None where it leaves the layer
     alone; and per target the addresses the kernel reads."""
     request: LoRARequest
-    rank: int
     weights: list[TargetWeights | None]
-    n_pad: list[int]
     addresses: torch.Tensor  # int64 [targets, 4]: AT's address, BT's, bands', the padded rank (zeros: none)
     cache_salt: bytes  # folded into the first prefix-cache block hash of its requests
 
@@ -114,14 +112,11 @@ class LoRAManager:
         cfg = self.model.config
         weights = read_adapter(request.lora_path, cfg.num_attention_heads, cfg.num_key_value_heads)
         self._check(weights, request)
-        per_target, n_pad = [], []
-        for target in self.targets:
-            n = target.linear.out_features
-            n_pad.append(-(-n // LORA_CHUNK) * LORA_CHUNK)
-            per_target.append(self._layout(weights, target, n_pad[-1]))
+        per_target = [self._layout(weights, target, padded_columns(target.linear.out_features))
+                      for target in self.targets]
         addresses = torch.tensor([[w.at.data_ptr(), w.bt.data_ptr(), w.bands.data_ptr(), w.at.shape[1]] if w
                                   else [0, 0, 0, 0] for w in per_target], dtype=torch.int64)
-        return LoadedAdapter(request, weights.rank, per_target, n_pad, addresses, weights.fingerprint)
+        return LoadedAdapter(request, per_target, addresses, weights.fingerprint)
 
     def _check(self, weights: AdapterWeights, request: LoRARequest) -> None:
         where = f"adapter {request.lora_name!r} ({request.lora_path})"
