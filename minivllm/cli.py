@@ -135,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from minivllm.engine.core_client import EngineCoreClient
 
         engine = EngineCoreClient(config, options.max_waiting_requests)
+        print(f"minivllm: the engine core runs in process {engine.process.pid}", flush=True)
     with timed(engine.startup_time, "chat_template"):  # read and compiled now, not on the first request
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=options.chat_template)
     if imported is not None:

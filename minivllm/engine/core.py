@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -36,7 +35,6 @@ from minivllm.sampling_params import StructuredOutputsParams
 
 IDLE_POLL_MS = 500  # idle, the socket is polled this long at a time (then: is the parent still there?)
 PENDING_POLL_MS = 5  # while a utility's answer is being computed elsewhere (a grammar compiling)
-STATS_INTERVAL_S = 0.1  # a busy engine sends its stats at most this often (and always once it goes idle)
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +56,6 @@ class EngineCore:
         self._next_record = 0
         self._sent: dict[str, int] = {}  # request id -> output tokens already sent
         self._pending: list[tuple[int, Future]] = []  # utility calls answered once their future is done
-        self._stats_sent_at = 0.0
         self.stopping = False
 
     def ready(self) -> Ready:
@@ -90,6 +87,9 @@ class EngineCore:
                 message = decoder.decode(self.input.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
+            except msgspec.ValidationError:  # the frontend validated it first: a bug there, not here
+                logger.exception("an undecodable message from the frontend, dropped")
+                continue
             if isinstance(message, Add):
                 self._send(self._add(message))
             elif isinstance(message, Abort):
@@ -115,8 +115,8 @@ class EngineCore:
             return
         try:
             result = method(*call.args)
-        except ValueError as e:
-            self._send(Reply(call.call_id, error=str(e), error_type="ValueError"))
+        except Exception as e:  # a bad argument must not stop the engine
+            self._send(Reply(call.call_id, error=str(e), error_type=type(e).__name__))
             return
         if isinstance(result, Future):
             self._pending.append((call.call_id, result))
@@ -140,16 +140,11 @@ class EngineCore:
 
     # -- outputs -----------------------------------------------------------------------------------------------
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
-        deltas = [self._delta(out) for out in outputs]
-        now = time.perf_counter()
-        idle = not self.engine.has_unfinished_requests()
-        stats = None
-        if idle or now - self._stats_sent_at >= STATS_INTERVAL_S:
-            stats, self._stats_sent_at = self.engine.get_stats(), now
-        batch = self.feed.since(self._next_record)
-        self._next_record = batch.next_seq
-        if deltas or stats is not None or batch.records:
-            self._send(OutputBatch(deltas, stats, batch.records))
+        # The stats go with every step (a few microseconds of a step's milliseconds), so that /metrics
+        # shows the pool as the last step left it.
+        records = self.feed.since(self._next_record)
+        self._next_record = records.next_seq
+        self._send(OutputBatch([self._delta(out) for out in outputs], self.engine.get_stats(), records.records))
 
     def _delta(self, out: RequestOutput) -> RequestDelta:
         c, rid = out.outputs[0], out.request_id

@@ -139,6 +139,7 @@ class EngineCoreClient:
         self.vocab_size = ready.vocab_size
         self._sync_sockets = (input_socket, output_socket)
         self._requests: dict[str, _Request] = {}
+        self._aborting: dict[str, _Request] = {}  # aborted here; the engine's last output of each is still due
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stopping = False
@@ -207,7 +208,9 @@ class EngineCoreClient:
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        live = [rid for rid in request_ids if self._requests.pop(rid, None) is not None]
+        live = [rid for rid in request_ids if rid in self._requests]
+        for rid in live:  # told to on_finished (the metrics) once the engine confirms
+            self._aborting[rid] = self._requests.pop(rid)
         if live and self.error is None and not self._stopping:
             self._input.send(encoder.encode(Abort(live)))
 
@@ -256,6 +259,7 @@ class EngineCoreClient:
         for d in batch.outputs:
             request = self._requests.get(d.request_id)
             if request is None:  # aborted by its caller, or ended here at a stop string
+                self._confirm_abort(d, now)
                 continue
             if request.apply(d, now):
                 stopped.append(d.request_id)
@@ -270,6 +274,18 @@ class EngineCoreClient:
         if stopped:
             self._input.send(encoder.encode(Abort(stopped)))
 
+    def _confirm_abort(self, d: RequestDelta, now: float) -> None:
+        """The engine's last output of a request aborted here: the metrics count it."""
+        request = self._aborting.get(d.request_id)
+        if request is None or d.finish_reason is None:
+            return
+        del self._aborting[d.request_id]
+        request.apply(d, now)
+        if d.timestamps is not None:
+            _metrics(d, request.metrics)
+        if self.on_finished:
+            self.on_finished(request.output(d.request_id))
+
     # -- the engine process's death ---------------------------------------------------------------------------
     def _on_exit(self) -> None:
         self._loop.remove_reader(self.process.sentinel)
@@ -281,6 +297,7 @@ class EngineCoreClient:
         for stream in {r.stream for r in self._requests.values()}:
             stream._put(error)
         self._requests.clear()
+        self._aborting.clear()
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)

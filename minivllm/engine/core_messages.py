@@ -109,7 +109,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class OutputBatch(_Message):
-    """One engine step's outputs, the engine's stats when they changed, and the dashboard's new records."""
+    """One engine step's outputs, the engine's stats after it, and the dashboard's new records."""
 
     outputs: list[RequestDelta]
     stats: dict[str, Any] | None = None
