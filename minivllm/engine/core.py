@@ -152,11 +152,12 @@ class EngineCore:
         delta = RequestDelta(rid, c.token_ids[sent:], c.finish_reason, c.stop_reason,
                              c.logprobs[sent:] if c.logprobs is not None else None,
                              out.prompt_logprobs if sent == 0 else None, out.metrics.num_cached_tokens)
-        if out.finished:
-            self._sent.pop(rid, None)
+        if out.finished or sent == 0:  # the first too: a request the frontend ends at a stop string has them
             m = out.metrics
             delta.timestamps = Timestamps(m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                                          m.finished_time, m.num_preemptions, m.token_times)
+                                          m.finished_time, m.num_preemptions, list(m.token_times))
+        if out.finished:
+            self._sent.pop(rid, None)
         else:
             self._sent[rid] = len(c.token_ids)
         return delta

@@ -101,12 +101,13 @@ class _Request:
 
 
 def _metrics(d: RequestDelta, metrics: RequestMetrics) -> None:
-    """The engine's timestamps of a request, from its last output, in place of the frontend's guesses."""
+    """The engine's timestamps of a request (from its first or its last output) in place of the frontend's."""
     t = d.timestamps
     metrics.arrival_time, metrics.first_scheduled_time = t.arrival, t.first_scheduled
     metrics.first_token_time = t.first_token
     metrics.last_token_time = t.token_times[-1] if t.token_times else None
-    metrics.finished_time, metrics.num_preemptions = t.finished, t.num_preemptions
+    metrics.finished_time = t.finished or metrics.finished_time  # ended here at a stop string: the frontend's
+    metrics.num_preemptions = t.num_preemptions
     metrics.token_times = t.token_times
     metrics.num_cached_tokens = d.num_cached_tokens
 

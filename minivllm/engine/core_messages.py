@@ -85,7 +85,8 @@ class Reply(_Message):
 
 
 class Timestamps(msgspec.Struct, array_like=True):
-    """A request's life in the engine (its clock), sent with its last output: where its time went."""
+    """A request's life in the engine (its clock), sent with its first and its last output: where its
+    time went."""
 
     arrival: float  # the engine core received it
     first_scheduled: float | None
@@ -105,7 +106,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta, when asked
     num_cached_tokens: int = 0
-    timestamps: Timestamps | None = None  # with the last delta
+    timestamps: Timestamps | None = None  # with the first and the last delta
 
 
 class OutputBatch(_Message):
