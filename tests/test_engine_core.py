@@ -11,17 +11,13 @@ from pathlib import Path
 
 import httpx
 
-from tests.test_server import ServerProcess, model_name, scrape, server_fixture, wait_idle  # noqa: F401 (fixtures)
+from tests.test_server import (ServerProcess, engine_pid, model_name, scrape, server_fixture,  # noqa: F401 (fixtures)
+                               wait_idle)
 
 DEATH_TIMEOUT_S = 10  # every open stream has its error object and [DONE] within this long of the kill
 
 server = server_fixture()  # the engine core in its own process
 in_process_server = server_fixture("--disable-frontend-multiprocessing")
-
-
-def engine_pid(server: ServerProcess) -> int:
-    line = next(x for x in server.log.read_text().splitlines() if x.startswith("minivllm: the engine core runs in "))
-    return int(line.rsplit(" ", 1)[1])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -140,4 +136,4 @@ def test_engine_death_ends_every_stream_with_an_error(server: ServerProcess, mod
         assert at - killed < DEATH_TIMEOUT_S
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-    # The fixture's teardown then stops the frontend: SIGTERM, exit code 0.
+    assert server.stop() == 0  # SIGTERM: the frontend still shuts down cleanly

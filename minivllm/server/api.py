@@ -43,9 +43,9 @@ from minivllm.server.dashboard import Dashboard, add_routes
 from minivllm.server.framing import (ChatFormatter, ChoiceTracker, CompletionFormatter, Formatter, stream_events,
                                      whole_choice)
 from minivllm.server.metrics import ServerMetrics
-from minivllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      ChatMessage, GenerationRequest, NamedToolChoice, TokenizeRequest, ToolDefinition, engine_error,
-                                      ignored_fields, parse_request)
+from minivllm.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                      DetokenizeRequest, GenerationRequest, NamedToolChoice, TokenizeRequest,
+                                      ToolDefinition, engine_error, ignored_fields, parse_request)
 from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput
 from minivllm.startup import phases_text, process_age
 
