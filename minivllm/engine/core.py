@@ -33,6 +33,7 @@ from minivllm.engine.trace import run_record
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import StructuredOutputsParams
 
+STARTUP_FAILED = -1  # the call id of the Reply that says why the engine could not start
 IDLE_POLL_MS = 500  # idle, the socket is polled this long at a time (then: is the parent still there?)
 PENDING_POLL_MS = 5  # while a utility's answer is being computed elsewhere (a grammar compiling)
 
@@ -48,8 +49,12 @@ class EngineCore:
         self.input.connect(input_address)
         self.output = self.context.socket(zmq.PUSH)
         self.output.connect(output_address)
-        self.engine = engine = LLMEngine(config, detokenize=False)
-        engine.warm_up()
+        try:
+            self.engine = engine = LLMEngine(config, detokenize=False)
+            engine.warm_up()
+        except (ValueError, FileNotFoundError) as e:  # a bad config: the frontend says so and exits
+            self._send(Reply(STARTUP_FAILED, error=str(e), error_type=type(e).__name__))
+            raise SystemExit(1) from None
         self.max_waiting_requests = max_waiting_requests
         self.feed = LiveFeed(engine.start_time, run_record(config))  # re-published by the frontend
         engine.observers.append(self.feed)
@@ -102,7 +107,8 @@ class EngineCore:
         requests = [EngineRequest(r.request_id, r.prompt_token_ids, r.params) for r in message.requests]
         first: AddRequest = message.requests[0]
         try:
-            add_group(self.engine, requests, first.priority, first.tenant, self.max_waiting_requests)
+            add_group(self.engine, requests, first.priority, first.tenant, self.max_waiting_requests,
+                      first.arrival_time)
         except (ValueError, QueueFullError) as e:
             return Reply(message.call_id, error=str(e), error_type=type(e).__name__)
         return Reply(message.call_id)

@@ -14,12 +14,11 @@ an OpenAI error object, and /health with 503): the process's sentinel wakes the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import multiprocessing
 import os
-import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ import zmq.asyncio
 
 from minivllm.config import EngineConfig
 from minivllm.engine.async_engine import EngineDeadError, EngineRequest, QueueFullError, RequestStream
-from minivllm.engine.core import run_engine_core
+from minivllm.engine.core import STARTUP_FAILED, run_engine_core
 from minivllm.engine.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
                                            UtilityCall, decoder, encoder)
 from minivllm.engine.live import LiveFeed
@@ -42,7 +41,7 @@ from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 STARTUP_TIMEOUT_S = 600  # a cold start compiles the kernels and packs the weights
 SHUTDOWN_TIMEOUT_S = 30  # after SIGTERM, the engine process gets this long before it is killed
-_ERRORS = {"ValueError": ValueError, "QueueFullError": QueueFullError}
+_ERRORS = {"ValueError": ValueError, "QueueFullError": QueueFullError, "FileNotFoundError": FileNotFoundError}
 
 
 @dataclass
@@ -120,8 +119,9 @@ class EngineCoreClient:
         meanwhile this process loads the tokenizer."""
         self.on_finished: Callable[[RequestOutput], None] | None = None
         self.error: str | None = None
-        self._dir = tempfile.mkdtemp(prefix="minivllm-core-")
-        in_address, out_address = (f"ipc://{self._dir}/{name}" for name in ("input", "output"))
+        # Linux's abstract socket namespace: no file to clean up, whatever way this process ends
+        name = f"minivllm-core-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        in_address, out_address = f"ipc://@{name}-input", f"ipc://@{name}-output"
         self._context = zmq.Context()
         input_socket, output_socket = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
         input_socket.bind(in_address)
@@ -132,7 +132,11 @@ class EngineCoreClient:
         self.process.start()
         path = resolve_model_path(config.model)
         self.tokenizer: Tokenizer = get_tokenizer(path, load_checkpoint(path)[0])
-        ready = self._wait_ready(output_socket)
+        try:
+            ready = self._wait_ready(output_socket)
+        except BaseException:
+            self._context.destroy(linger=0)
+            raise
         self.max_model_len, self.max_num_seqs = ready.max_model_len, ready.max_num_seqs
         self.batch_invariant, self.startup_time = ready.batch_invariant, dict(ready.startup_time)
         self.feed = LiveFeed(ready.start_time, ready.run)
@@ -152,6 +156,9 @@ class EngineCoreClient:
                 message = decoder.decode(output_socket.recv())
                 if isinstance(message, Ready):
                     return message
+                if isinstance(message, Reply) and message.call_id == STARTUP_FAILED:
+                    self.process.join()
+                    raise _ERRORS.get(message.error_type, RuntimeError)(message.error)
             if not self.process.is_alive():
                 raise RuntimeError(f"the engine process exited with code {self.process.exitcode} while starting")
         self.process.kill()
@@ -177,11 +184,6 @@ class EngineCoreClient:
         self._reader.cancel()
         self._fail_all(EngineDeadError("the server is shutting down"))
         self._context.destroy(linger=0)
-        for name in ("input", "output"):
-            with contextlib.suppress(OSError):
-                os.unlink(f"{self._dir}/{name}")
-        with contextlib.suppress(OSError):
-            os.rmdir(self._dir)
 
     def check_running(self) -> None:
         if self.error is not None or self._stopping or not self.process.is_alive():
@@ -193,14 +195,13 @@ class EngineCoreClient:
         message), QueueFullError or EngineDeadError before anything streams."""
         self.check_running()
         now = time.perf_counter()
+        prompts = [tokenize_prompt(r.prompt, self.tokenizer, self.vocab_size) for r in requests]  # ValueError
         stream = RequestStream(self, [r.request_id for r in requests])
-        adds = []
-        for r in requests:
-            prompt, token_ids = tokenize_prompt(r.prompt, self.tokenizer, self.vocab_size)
-            self._requests[r.request_id] = _Request(
-                stream, prompt, token_ids, r.params,
-                IncrementalDetokenizer(self.tokenizer, token_ids, r.params.skip_special_tokens), RequestMetrics(now))
-            adds.append(AddRequest(r.request_id, token_ids, r.params, now, priority, tenant))
+        for r, (text, token_ids) in zip(requests, prompts):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, r.params.skip_special_tokens)
+            self._requests[r.request_id] = _Request(stream, text, token_ids, r.params, detokenizer, RequestMetrics(now))
+        adds = [AddRequest(r.request_id, token_ids, r.params, now, priority, tenant)
+                for r, (_, token_ids) in zip(requests, prompts)]
         try:
             await self._call(lambda call_id: Add(call_id, adds))
         except BaseException:  # invalid, refused, or the caller was cancelled meanwhile

@@ -37,7 +37,8 @@ class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # n = 1 (the frontend fans n > 1 out); structured_outputs: the grammar's source
-    arrival_time: float  # the frontend's, time.perf_counter (CLOCK_MONOTONIC: one clock for both processes)
+    arrival_time: float  # the engine's arrival time of it, taken by the frontend: time.perf_counter (on Linux
+    # CLOCK_MONOTONIC, one clock for both processes)
     priority: int = 0
     tenant: str = "default"
     lora_request: LoraRequest | None = None
@@ -88,7 +89,7 @@ class Timestamps(msgspec.Struct, array_like=True):
     """A request's life in the engine (its clock), sent with its first and its last output: where its
     time went."""
 
-    arrival: float  # the engine core received it
+    arrival: float  # AddRequest.arrival_time
     first_scheduled: float | None
     first_token: float | None
     finished: float | None

@@ -157,9 +157,10 @@ class ChoiceTracker:
 
     def time_breakdown_ms(self, received: float, done: float) -> dict[str, float | None]:
         """Where the request's time went (milliseconds; None for a phase it never reached), by the
-        engine's timestamps of the choice that finished last: from the server receiving it to the engine
-        receiving it (parsing, tokenizing, the hop between processes), waiting there, the prefill (to the
-        first token), the decode (to the last), and from the last token to the last chunk written."""
+        engine's timestamps of the choice that finished last: from the server receiving it to its arrival
+        at the engine client (parsing, the chat template, tokenizing), from there to its first step (the
+        hop to the engine's process, waiting in its queue), the prefill (to the first token), the decode
+        (to the last), and from the last token to the last chunk written (detokenizing, framing, sending)."""
         m = self.last_finished
         marks = [received, *((m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time)
                              if m else (None,) * 4), done]
