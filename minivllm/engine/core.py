@@ -136,9 +136,6 @@ class EngineCore:
             self._send(Reply(call_id) if error is None else
                        Reply(call_id, error=str(error), error_type=type(error).__name__))
 
-    def utility_stats(self) -> dict[str, Any]:
-        return self.engine.get_stats()
-
     def utility_compile_grammar(self, params: dict[str, Any]) -> Future:
         """Compile a structured-output grammar (in the compiler's pool; cached for the request that
         follows); the reply says whether the library accepted it."""

@@ -217,10 +217,11 @@ class EngineCoreClient:
             self._input.send(encoder.encode(Abort(live)))
 
     async def check_structured(self, params: StructuredOutputsParams) -> None:
-        await self._call(lambda call_id: UtilityCall(call_id, "compile_grammar", [params]))
+        await self.utility("compile_grammar", params)
 
     async def utility(self, method: str, *args: Any) -> Any:
-        """Call EngineCore.utility_<method>(*args) in the engine process, between its steps."""
+        """Call EngineCore.utility_<method>(*args) in the engine process, between its steps; raises what
+        it raised (ValueError, ...)."""
         return await self._call(lambda call_id: UtilityCall(call_id, method, list(args)))
 
     async def _call(self, make: Callable[[int], Any]) -> Any:
