@@ -6,9 +6,13 @@ import concurrent.futures
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from minivllm.config import EngineConfig
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the commands import what they need when they run
+    from minivllm.engine.async_engine import AsyncEngine
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -143,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(engine, options, args.host, args.port)
 
 
-def _in_process_engine(config: EngineConfig, max_waiting_requests: int | None):
+def _in_process_engine(config: EngineConfig, max_waiting_requests: int | None) -> AsyncEngine:
     """The engine on a thread of the server's process (--disable-frontend-multiprocessing)."""
     from minivllm.engine.async_engine import AsyncEngine
     from minivllm.engine.llm_engine import LLMEngine
