@@ -35,6 +35,7 @@ from minivllm.sampling_params import StructuredOutputsParams
 
 STARTUP_FAILED = -1  # the call id of the Reply that says why the engine could not start
 IDLE_POLL_MS = 500  # idle, the socket is polled this long at a time (then: is the parent still there?)
+LINGER_MS = 1000
 PENDING_POLL_MS = 5  # while a utility's answer is being computed elsewhere (a grammar compiling)
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,13 @@ class EngineCore:
                  max_waiting_requests: int | None) -> None:
         self.parent_pid = os.getppid()
         self.context = zmq.Context()
+        # Never block on a frontend that is gone (the loop would not notice the parent's death): outputs
+        # queue without a bound, and at exit unsent ones are dropped after LINGER_MS.
+        self.context.setsockopt(zmq.LINGER, LINGER_MS)
         self.input = self.context.socket(zmq.PULL)
         self.input.connect(input_address)
         self.output = self.context.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDHWM, 0)
         self.output.connect(output_address)
         try:
             self.engine = engine = LLMEngine(config, detokenize=False)
