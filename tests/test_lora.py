@@ -245,6 +245,7 @@ def test_bad_adapters_are_refused_by_name(f32_llm: LLM, tmp_path: Path) -> None:
 def test_server_endpoints(f32_llm: LLM, adapters: list[LoRARequest]) -> None:
     from fastapi.testclient import TestClient
 
+    from minivllm.engine.async_engine import AsyncEngine
     from minivllm.server.api import ServerOptions, build_app
 
     engine = f32_llm.engine
@@ -252,8 +253,8 @@ def test_server_endpoints(f32_llm: LLM, adapters: list[LoRARequest]) -> None:
                                 lora_request=adapters[1])[0].outputs[0].text
     for a in engine.list_loras():  # the offline tests' registrations: start from none
         engine.remove_lora(a.lora_name)
-    engine.add_lora(adapters[0])  # as --lora-modules does before the server starts
-    app = build_app(engine, ServerOptions("base"))
+    engine.add_loras([adapters[0]])  # as --lora-modules does before the server starts
+    app = build_app(AsyncEngine(engine), ServerOptions("base", lora_modules=[adapters[0]]))
     with TestClient(app) as http:
         def complete(model: str) -> Any:
             return http.post("/v1/completions", json={"model": model, "prompt": PROMPTS[0], "max_tokens": NUM_TOKENS,
@@ -276,3 +277,33 @@ def test_server_endpoints(f32_llm: LLM, adapters: list[LoRARequest]) -> None:
         assert complete("attn").status_code == 404
         assert complete("base").status_code == 200  # still serving
     assert_idle(engine)
+
+
+def test_served_through_the_engine_core_process(bf16_llm: LLM, adapters: list[LoRARequest], tmp_path: Path) -> None:
+    """`minivllm serve`'s default: the adapters cross the process boundary (started with --lora-modules,
+    loaded and unloaded at run time) and give what the offline engine gives (bf16, same kernels)."""
+    import httpx
+
+    from tests.test_server import start_server
+
+    every, attn = adapters[0], adapters[1]
+    expected = {a.lora_name: bf16_llm.generate([PROMPTS[0]], greedy(NUM_TOKENS), use_tqdm=False, lora_request=a)[0]
+                .outputs[0].text for a in (every, attn)}
+    server = start_server(tmp_path / "server.log", "--dtype", "bfloat16", "--enable-lora", "--max-loras", "2",
+                          "--lora-modules", f"{every.lora_name}={every.lora_path}")
+    try:
+        def complete(model: str) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+                "model": model, "prompt": PROMPTS[0], "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True})
+
+        assert complete(every.lora_name).json()["choices"][0]["text"] == expected[every.lora_name]
+        assert complete(attn.lora_name).status_code == 404
+        load = {"lora_name": attn.lora_name, "lora_path": attn.lora_path}
+        assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
+        assert complete(attn.lora_name).json()["choices"][0]["text"] == expected[attn.lora_name]
+        bad = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
+        assert bad.status_code == 400 and "no such adapter" in bad.json()["error"]["message"]
+        assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": attn.lora_name}).status_code == 200
+        assert complete(attn.lora_name).status_code == 404
+    finally:
+        assert server.stop() == 0, server.log.read_text()

@@ -266,7 +266,7 @@ def test_mixed_tied_biased_file_computes_what_its_float_model_does(mixed_gguf: P
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The default (quantized) load of the mixed file, native and twin, against its dequantized float32
     model; then mapped back from the weight cache (which crashed on it): the same bits."""
-    from minivllm.engine.llm_engine import load_model
+    from minivllm.engine.executor import load_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config, reference = load_model.__wrapped__(mixed_gguf, CPU, torch.float32, "none")

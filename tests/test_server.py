@@ -56,6 +56,12 @@ def start_server(log: Path, *args: str) -> ServerProcess:
     pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
 
 
+def engine_pid(server: ServerProcess) -> int:
+    """The engine-core process of a server (the default: the engine in its own process)."""
+    line = next(x for x in server.log.read_text().splitlines() if x.startswith("minivllm: the engine core runs in "))
+    return int(line.rsplit(" ", 1)[1])
+
+
 def server_fixture(*args: str):
     @pytest.fixture(scope="module")
     def fixture(tmp_path_factory: pytest.TempPathFactory):
@@ -410,6 +416,7 @@ def test_sigterm_finishes_in_flight_then_exits_0(gated_server: ServerProcess) ->
     assert events[-1] == "[DONE]"
     assert len(events) == max_tokens + 1  # the in-flight request finished
     assert gated_server.proc.wait(timeout=60) == 0
+    assert not Path(f"/proc/{engine_pid(gated_server)}").exists()  # the engine process stopped with it
 
 
 

@@ -12,7 +12,8 @@ import torch
 
 from minivllm import SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine, ModelParts, load_model
+from minivllm.engine.executor import ModelParts, load_model
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model import weight_cache
 from minivllm.model.kernels import quant_gemm
 from minivllm.model.llama import LlamaForCausalLM

@@ -74,7 +74,7 @@ def cmd_latency(args: argparse.Namespace) -> None:
 
 # -- serve ----------------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> None:
-    from minivllm.bench.metrics import parse_goodput, serving_metrics
+    from minivllm.bench.metrics import mean_time_breakdown, parse_goodput, serving_metrics
     from minivllm.bench.report import serving_text
     from minivllm.bench.serve import (ServeTarget, counter_delta, counter_ratio, counter_totals, run_benchmark,
                                       same_texts, served_model)
@@ -116,6 +116,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
               f"{kv_tier['kv_offload_disk_hits']:.0f} from disk; {kv_tier['kv_offload_loaded_bytes'] / 2**20:.1f} MiB "
               f"copied in {kv_tier['kv_offload_load_seconds']:.3f} s in the steps "
               f"({kv_tier['kv_offload_read_seconds']:.3f} s of disk reads beside them)")
+    time_breakdown = mean_time_breakdown(records)
+    if time_breakdown:
+        print("Time per request (server side, mean ms): " + ", ".join(f"{name.replace('_', ' ')} {ms:.1f}"
+                                                                       for name, ms in time_breakdown.items()))
     greedy_exact = same_texts(records, args.compare_to) if args.compare_to else None
     if greedy_exact is not None:
         print(f"Outputs {'equal' if greedy_exact else 'NOT equal'} to those of {args.compare_to}")
@@ -125,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     write_json(args.output_json, {"workload": spec, "base_url": base_url, "model": target.model, "goodput": slos,
                                   "metrics": asdict(metrics), "prefix_cache_hit_rate": prefix_hit_rate,
                                   **speculation, **kv_tier, "greedy_exact": greedy_exact,
+                                  "time_breakdown_ms": time_breakdown,
                                   "requests": requests_as_dicts(requests),
                                   "records": [asdict(r) for r in records]})
 

@@ -19,6 +19,7 @@ import httpx
 import uvicorn
 
 from minivllm.config import EngineConfig
+from minivllm.engine.async_engine import AsyncEngine
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server.api import ServerOptions, build_app
 
@@ -57,7 +58,7 @@ def main() -> None:
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig.from_cli_args(args))
-    app = build_app(engine, ServerOptions("bench"))
+    app = build_app(AsyncEngine(engine), ServerOptions("bench"))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run)
     thread.start()

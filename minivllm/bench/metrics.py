@@ -7,6 +7,7 @@ throughputs over the benchmark's duration; goodput = requests that met every SLO
 """
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ class RequestRecord:
     success: bool = True
     error: str = ""
     text: str = ""  # what a streaming client received, to compare runs (bench serve --compare-to)
+    # Where the request's time went, as minivllm's server reports it (framing.TIME_BREAKDOWN), in ms
+    time_breakdown_ms: dict[str, float | None] | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -47,6 +50,15 @@ class RequestRecord:
     def from_metrics(cls, m: RequestMetrics, prompt_len: int, output_len: int) -> RequestRecord:
         """A request the engine finished, measured from its arrival (queueing included)."""
         return cls(prompt_len, output_len, m.ttft, m.e2e, m.itl, m.queue_time)
+
+
+def mean_time_breakdown(records: list[RequestRecord]) -> dict[str, float] | None:
+    """Per phase, the mean over the requests whose server reported it (None: a server that reports none)."""
+    reported = [r.time_breakdown_ms for r in records if r.success and r.time_breakdown_ms]
+    if not reported:
+        return None
+    phases = {name: [t[name] for t in reported if t.get(name) is not None] for name in reported[0]}
+    return {name: statistics.fmean(values) for name, values in phases.items() if values}
 
 
 @dataclass

@@ -124,6 +124,7 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, req: Benc
                     text += chunk["choices"][0].get("text") or ""
                 elif chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
+                    record.time_breakdown_ms = chunk.get("time_breakdown_ms")  # minivllm's server sends it
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         record.error = f"{type(e).__name__}: {e}"
         return record

@@ -24,7 +24,8 @@ from minivllm.bench.compare import SystemRun, SystemSummary, replay_engine
 from minivllm.bench.cost_model import CostModel, StepHistory, StepShape
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine, ModelParts, num_kv_blocks
+from minivllm.engine.executor import ModelParts, num_kv_blocks
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.trace import StepTracer, run_record

@@ -98,7 +98,7 @@ def share_cores(world_size: int) -> int:
 
 def serve_steps(config: EngineConfig, path: Path, group: TensorParallelGroup) -> None:
     """A worker's life: load its shard and KV pool, run each step rank 0 sends, until it sends None."""
-    from minivllm.engine.llm_engine import num_kv_blocks
+    from minivllm.engine.executor import num_kv_blocks
 
     device = config.torch_device
     if device.type == "cuda":  # one GPU per rank (NCCL; untested: the machine lent here has one GPU)

@@ -6,6 +6,10 @@ hands each step's outputs back with `loop.call_soon_threadsafe`, into one asynci
 request. With nothing to do the thread sleeps on a condition variable; it never spins.
 
     handler --add/abort--> commands --(loop thread: apply, step)--> call_soon_threadsafe --> RequestStream
+
+It is one of the server's two engine clients (`--disable-frontend-multiprocessing`); the other,
+EngineCoreClient (core_client.py), runs the engine in its own process. Both offer what EngineClient
+lists, and both hand out RequestStreams.
 """
 from __future__ import annotations
 
@@ -15,12 +19,15 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from minivllm.engine.live import LiveFeed
 from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.engine.trace import run_record
 from minivllm.lora.request import LoRARequest
+from minivllm.model.tokenizer import Tokenizer
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +48,46 @@ class EngineRequest:
     lora_request: LoRARequest | None = None
 
 
+class EngineClient(Protocol):
+    """What the server needs of an engine, in process or behind a process boundary."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    max_num_seqs: int
+    batch_invariant: bool  # the kernels' (a near-tie breaks the same way whatever shares a step)
+    startup_time: dict[str, float]  # seconds per start-up phase
+    stats: dict[str, Any]  # LLMEngine.get_stats(), as of the last step
+    feed: LiveFeed  # the dashboard's records
+    on_finished: Callable[[RequestOutput], None] | None  # told of each request that ends
+
+    def start(self) -> None: ...
+    async def shutdown(self) -> None: ...
+    def check_running(self) -> None: ...
+    async def generate(self, requests: list[EngineRequest], priority: int = 0,
+                       tenant: str = "default") -> RequestStream: ...
+    def abort(self, request_ids: list[str]) -> None: ...
+    async def check_structured(self, params: StructuredOutputsParams) -> None: ...
+    async def utility(self, method: str, *args: Any) -> Any: ...
+
+
+def add_group(engine: LLMEngine, requests: list[EngineRequest], priority: int, tenant: str,
+              max_waiting_requests: int | None, arrival_time: float | None = None) -> None:
+    """Add a group of requests all or none: raises QueueFullError, or ValueError (an invalid request)."""
+    waiting = engine.get_stats()["num_waiting"]
+    if max_waiting_requests is not None and waiting >= max_waiting_requests:
+        raise QueueFullError(f"the server is busy: {waiting} requests are already waiting "
+                             f"(--max-waiting-requests {max_waiting_requests}); retry later")
+    done: list[str] = []
+    try:
+        for r in requests:
+            done.append(engine.add_request(r.request_id, r.prompt, r.params, arrival_time, priority, tenant,
+                                           lora_request=r.lora_request))
+    except ValueError:
+        for rid in done:
+            engine.abort_request(rid)
+        raise
+
+
 class RequestStream:
     """The outputs of a group of engine requests (the choices of one HTTP request), as they are made.
 
@@ -49,7 +96,7 @@ class RequestStream:
     caller that stops listening (a client that hung up) frees the KV blocks at the next step.
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, engine: EngineClient, request_ids: list[str]) -> None:
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.unfinished = set(request_ids)
@@ -78,11 +125,16 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests  # None: no limit
-        self._on_finished = on_finished  # called in the loop thread for each request that ends
+        self.on_finished: Callable[[RequestOutput], None] | None = None  # called in the loop thread
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self.max_num_seqs = engine.config.max_num_seqs
+        self.batch_invariant = bool(getattr(engine.runner, "batch_invariant", False))
+        self.startup_time = engine.startup_time
+        self.feed = LiveFeed(engine.start_time, run_record(engine.config))
+        engine.observers.append(self.feed)
         # Read by other threads (metrics, health); the loop thread replaces it after every iteration.
         self.stats: dict[str, Any] = engine.get_stats()
         self.error: BaseException | None = None
@@ -147,6 +199,12 @@ class AsyncEngine:
         self._submit(call)
         return await done
 
+    async def check_structured(self, params: StructuredOutputsParams) -> None:
+        """Compile the grammar (in the compiler's pool, off the event loop and the step loop; cached for
+        the request that follows); raises ValueError if the library rejects it."""
+        manager = await asyncio.to_thread(lambda: self.engine.structured_output)
+        await asyncio.wrap_future(manager.compile(params))
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests in any state; unknown or finished ids are ignored."""
         for rid in request_ids:
@@ -201,29 +259,17 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         self.stats = self.engine.get_stats()
-        if self._on_finished:
+        if self.on_finished:
             for out in outputs:
                 if out.finished:
-                    self._on_finished(out)
+                    self.on_finished(out)
         if outputs:
             self._call_in_loop(self._deliver, outputs)
         return not (stopping and not self.engine.has_unfinished_requests())
 
     def _add(self, requests: list[EngineRequest], priority: int, tenant: str, added: asyncio.Future) -> None:
         try:
-            waiting = self.engine.get_stats()["num_waiting"]
-            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"the server is busy: {waiting} requests are already waiting "
-                                     f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
-            done: list[str] = []
-            try:
-                for r in requests:
-                    done.append(self.engine.add_request(r.request_id, r.prompt, r.params, priority=priority,
-                                                        tenant=tenant, lora_request=r.lora_request))
-            except ValueError:
-                for rid in done:  # all or none
-                    self.engine.abort_request(rid)
-                raise
+            add_group(self.engine, requests, priority, tenant, self.max_waiting_requests)
         except (ValueError, QueueFullError) as e:
             self._call_in_loop(_settle, added, None, e)
         else:

@@ -40,13 +40,13 @@ class LiveFeed(StepObserver):
 
     # -- the engine thread ----------------------------------------------------------------------------
     def on_request(self, seq: Sequence, now: float) -> None:
-        self._publish([request_record(self._states.on_request(seq, now))])
+        self.publish([request_record(self._states.on_request(seq, now))])
 
     def record(self, row: StepRow, sched: SchedulerOutput, finished: list[Sequence]) -> None:
         events = self._states.on_step(row, sched, finished)
-        self._publish([step_record(row), *map(request_record, events)])
+        self.publish([step_record(row), *map(request_record, events)])
 
-    def _publish(self, records: list[dict[str, Any]]) -> None:
+    def publish(self, records: list[dict[str, Any]]) -> None:
         with self._lock:
             for r in records:
                 r["seq"] = self._next

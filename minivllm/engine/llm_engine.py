@@ -13,39 +13,30 @@ runs this very step logic.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import itertools
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from minivllm.config import EngineConfig, parse_size
+from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.kv_tier import KVTier, make_kv_tier, tier_stats
+from minivllm.engine.executor import ModelParts, load_parts
+from minivllm.engine.kv_tier import tier_stats
 from minivllm.engine.policies import POLICIES
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput, prompt_logprob_positions, will_sample
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.spec_decode import PROPOSERS, DraftPrefix
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
+from minivllm.engine.text import cut_at_stop_string, visible_text
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
 from minivllm.lora.manager import LoadedAdapter, LoRAManager
 from minivllm.lora.request import LoRARequest
-from minivllm.model import weight_cache
-from minivllm.model.kernels import layer_ops
-from minivllm.model.kernels import report as kernels_report
-from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
-from minivllm.model.runner import ModelRunner, kv_bytes_per_block
-from minivllm.model.sampler import Sampler
-from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer, get_tokenizer
+from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.startup import timed
@@ -56,92 +47,37 @@ IDLE_WAIT_S = 0.01  # with nothing to run but grammars compiling or KV tier read
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=2)
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
-               ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Engines in one process (a benchmark comparing schedulers, a test suite) share read-only
-    weights: the KV cache and all state are per engine. Quantized weights, once packed, are cached
-    on disk and mapped at later starts (weight_cache.py)."""
-    cached = weight_cache.cache_file(path, device, dtype, quantization)
-    hit = weight_cache.load(cached) if cached is not None else None
-    if hit is not None:
-        model_config, state = hit
-        try:
-            return model_config, LlamaForCausalLM.from_state(model_config, state, device)
-        except (ValueError, KeyError, AttributeError, RuntimeError) as e:  # an entry this code cannot use
-            print(f"minivllm: the cached weights in {cached} do not fit this model ({e}); rebuilding",
-                  file=sys.stderr, flush=True)
-    if cached is not None:
-        print(f"minivllm: packing the weights once into {cached.parent} ...", file=sys.stderr, flush=True)
-    # Decoded straight into the model's dtype, or kept quantized.
-    model_config, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
-    model = LlamaForCausalLM.from_weights(model_config, weights, device, dtype, quantization)
-    if cached is not None:
-        weight_cache.save(cached, model_config, model.state())
-    return model_config, model
-
-
-def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
-    return config.num_kv_blocks or max(
-        1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, dtype,
-                                                                    config.kv_cache_dtype))
-
-
-@dataclass
-class ModelParts:
-    """What the engine computes with: `runner.execute(SchedulerOutput)` returns what `sampler(that,
-    sampling sequences)` turns into a SamplerOutput. Without a tokenizer, prompts are token ids and
-    outputs carry no text."""
-
-    model_config: ModelConfig
-    tokenizer: Tokenizer | None
-    runner: Any
-    sampler: Any
-    num_blocks: int
-    startup_time: dict[str, float] = field(default_factory=dict)  # seconds per phase of loading them
-    release: Callable[[], None] | None = None  # what close() must stop (tensor-parallel workers)
-    kv_tier: KVTier | None = None  # where evicted prefix blocks go (--kv-offloading-*)
-
-
-def load_parts(config: EngineConfig) -> ModelParts:
-    """The real model: weights loaded, KV cache allocated, and the seconds each phase took."""
-    device, dtype = config.torch_device, config.torch_dtype
-    path = resolve_model_path(config.model)
-    phases: dict[str, float] = {}
-    quantization = config.weight_quantization(path.is_file())
-    with timed(phases, "kernels"):  # compiled on a cold cache, else loaded
-        layer_ops(device, dtype)
-    print(kernels_report(device, dtype), file=sys.stderr, flush=True)  # the target, and what runs as torch
-    group = None
-    with timed(phases, "weights"):
-        if config.tensor_parallel_size > 1:  # rank 0: its shard; the workers start and load theirs
-            from minivllm.distributed.worker import start_tensor_parallel
-
-            model_config, model, group = start_tensor_parallel(config, path)
+def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer | None, vocab_size: int) -> tuple[str | None, list[int]]:
+    """A prompt's text (if it has one) and its token ids, checked; raises ValueError naming what is wrong."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
         else:
-            model_config, model = load_model(path, device, dtype, quantization)
-    with timed(phases, "tokenizer"):
-        tokenizer = get_tokenizer(path, model_config)
-    num_blocks = num_kv_blocks(config, model.config, dtype)  # the rank's shard of the KV heads
-    with timed(phases, "kv_pool"):
-        if group is None:
-            runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
-        else:
-            from minivllm.distributed.worker import DriverRunner
-
-            runner = DriverRunner(group, model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
-    kv_tier = None
-    if config.kv_offloading:
-        with timed(phases, "kv_tier"):  # indexes its directory, if any
-            kv_tier = make_kv_tier(config, path, quantization, runner)
-    return ModelParts(model_config, tokenizer, runner, Sampler(device, config.seed), num_blocks, phases,
-                      release=runner.close if group is not None else None, kv_tier=kv_tier)
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: the prompt must be token ids")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        if not (all(map(isinstance, prompt, itertools.repeat(int))) and 0 <= min(prompt) and max(prompt) < vocab_size):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
+        return None, list(prompt)
+    raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, parts: ModelParts | None = None,
-                 clock: Callable[[], float] = time.perf_counter, **kwargs: Any) -> None:
+                 clock: Callable[[], float] = time.perf_counter, detokenize: bool = True, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
+        # False in the engine-core process: its frontend detokenizes and checks stop strings (engine/text.py),
+        # and aborts a request that reaches one; outputs then carry token ids and no text.
+        self.detokenize = detokenize
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.clock = clock
         parts = parts or load_parts(config)
@@ -237,7 +173,7 @@ class LLMEngine:
         seq = Sequence(request_id, text, token_ids, params,
                        RequestMetrics(arrival_time=self.clock() if arrival_time is None else arrival_time),
                        priority=priority, tenant=str(tenant), eos_token_ids=tuple(eos))
-        if self.tokenizer:
+        if self.tokenizer and self.detokenize:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         seq.bad_words_token_ids = self._bad_words(params.bad_words or [])
         if adapter is not None:
@@ -256,6 +192,11 @@ class LLMEngine:
         max_lora_rank, modules the model lacks, shapes that do not fit, an unreadable file)."""
         self._lora_adapter(lora_request)
         return True
+
+    def add_loras(self, lora_requests: list[LoRARequest]) -> None:
+        """The adapters a server starts with (--lora-modules); a bad one stops the start, named."""
+        for lora_request in lora_requests:
+            self.add_lora(lora_request)
 
     def remove_lora(self, lora_name: str) -> bool:
         """Unregister an adapter (requests running under it finish under it); False if unknown."""
@@ -285,27 +226,7 @@ class LLMEngine:
         return [list(v) for v in variants if v]
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: the prompt must be token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("prompt_token_ids is empty")
-            vocab = self.model_config.vocab_size
-            if not (all(map(isinstance, prompt, itertools.repeat(int))) and 0 <= min(prompt) and max(prompt) < vocab):
-                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        return tokenize_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def abort_request(self, request_id: str) -> None:
         """End a request in any state; a finished or unknown id is a no-op."""
@@ -518,7 +439,8 @@ class LLMEngine:
                 return "stop"
             if not p.ignore_eos and token in seq.eos_token_ids:
                 return "stop"
-            if delta and p.stop_strings and self._cut_at_stop_string(seq, delta):
+            if delta and p.stop_strings and (stop := cut_at_stop_string(seq.detokenizer, p, delta)) is not None:
+                seq.stop_reason = stop
                 return "stop"
         if p.max_tokens is not None and num_output_tokens >= p.max_tokens:
             return "length"
@@ -526,26 +448,8 @@ class LLMEngine:
             return "length"
         return None
 
-    @staticmethod
-    def _cut_at_stop_string(seq: Sequence, delta: str) -> bool:
-        detok, p = seq.detokenizer, seq.params
-        longest = max(len(s) for s in p.stop_strings)
-        # Only a stop string that ends inside the new text can be new.
-        window_start = max(0, len(detok.text) - len(delta) - longest + 1)
-        for stop in p.stop_strings:
-            at = detok.text.find(stop, window_start)
-            if at >= 0:
-                detok.text = detok.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
-                seq.stop_reason = stop
-                return True
-        return False
-
     def _make_output(self, seq: Sequence) -> RequestOutput:
-        text = seq.detokenizer.text if seq.detokenizer else ""
-        p = seq.params
-        if not seq.is_finished and p.stop_strings and not p.include_stop_str_in_output:
-            # Hold back what may be the start of a stop string, so that a stream never shows it.
-            text = text[: max(0, len(text) - max(len(s) for s in p.stop_strings) + 1)]
+        text = visible_text(seq.detokenizer.text, seq.params, seq.is_finished) if seq.detokenizer else ""
         completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
                                       list(seq.logprobs) if seq.logprobs is not None else None,
                                       seq.cumulative_logprob if seq.logprobs is not None else None)

@@ -1,50 +1,54 @@
-"""An OpenAI-compatible HTTP server over the engine, shaped like vLLM's.
+"""An OpenAI-compatible HTTP server over the engine, shaped like vLLM's: its routes.
 
     POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream=true)
+    POST /tokenize, /detokenize (vLLM's: answered here, by the tokenizer, without the engine)
     GET  /v1/models, /health, /metrics
     GET  /, /dashboard (and /dashboard/...): the live view of the step loop (dashboard.py)
 
-Known fields are parsed strictly (an ill-typed value is a 400 that names the field) and validated
-before anything streams, so a bad request never becomes a broken stream. Fields the server does not
-know are accepted and ignored, as vLLM does: logged once per name, and listed per response in the
-`X-Ignored-Fields` header. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+The server talks to an engine client (async_engine.EngineClient): by default the engine runs in its own
+process (core_client.py), so that HTTP, tokenization and detokenization here never take the engine's
+interpreter; `--disable-frontend-multiprocessing` runs it on a thread of this process (AsyncEngine).
+Requests are validated first (protocol.py), and the engine's outputs framed as OpenAI's responses and
+stream chunks (framing.py). Fields the server does not know are accepted and ignored, as vLLM does:
+logged once per name, and listed per response in the `X-Ignored-Fields` header. Errors take OpenAI's
+shape: {"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import signal
 import time
 import uuid
-from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
 import jinja2
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from minivllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequest, QueueFullError, RequestStream
-from minivllm.engine.live import LiveFeed
-from minivllm.engine.llm_engine import LLMEngine, PromptType
-from minivllm.engine.trace import run_record
+from minivllm.engine.async_engine import EngineClient, EngineDeadError, EngineRequest, QueueFullError, RequestStream
+from minivllm.engine.llm_engine import PromptType
 from minivllm.lora.request import LoRARequest
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.server.dashboard import Dashboard, add_routes
+from minivllm.server.framing import (ChatFormatter, ChoiceTracker, CompletionFormatter, Formatter, stream_events,
+                                     whole_choice)
 from minivllm.server.lora_routes import LoRARoutes, add_lora_routes
 from minivllm.server.metrics import ServerMetrics
-from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput, required_schema
+from minivllm.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                      DetokenizeRequest, GenerationRequest, NamedToolChoice, TokenizeRequest,
+                                      ToolDefinition, engine_error, ignored_fields, parse_request)
+from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput
 from minivllm.startup import phases_text, process_age
 
 logger = logging.getLogger(__name__)
@@ -53,589 +57,6 @@ MAX_BODY_BYTES = 4 * 2**20  # ~100x the JSON of a 32k-token prompt
 GRACEFUL_SHUTDOWN_S = 30  # in-flight requests get this long to finish on SIGTERM; then they are aborted
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 _logged_ignored: set[str] = set()  # unknown field names already logged (once each)
-
-
-# -- errors ---------------------------------------------------------------------------------------------
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    """One message naming each bad field (at most three), e.g. 'messages.0.role: Input should be ...'."""
-    parts, params = [], []
-    for err in e.errors()[:3]:
-        path = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        parts.append(f"{path}: {msg}" if path else msg)
-        params.append(path or None)
-    return APIError(400, "; ".join(parts), params[0])
-
-
-def _engine_error(e: ValueError, request: BaseModel, default_field: str) -> APIError:
-    """A ValueError of SamplingParams or of the engine, pointed at the request field it is about: their
-    messages start with the name of what is wrong ("top_p must be ...", "prompt has 900 tokens ...")."""
-    message = str(e)
-    name = message.split(maxsplit=1)[0].rstrip(":").split(".")[0] if message else ""
-    if name in type(request).model_fields:
-        return APIError(400, message, name)
-    return APIError(400, f"{default_field}: {message}", default_field)
-
-
-# -- requests -----------------------------------------------------------------------------------------------
-class _Strict(BaseModel):
-    # Strict: "5" is not an int and 1 is not a bool. Unknown fields are kept aside (model_extra), to
-    # be reported as ignored. No inf or nan: they would reach the sampler's arithmetic.
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, populate_by_name=True)
-
-
-def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted paths of the fields of a parsed request that the server does not know."""
-    names = [prefix + k for k in model.model_extra or {}]
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        for i, item in enumerate(value if isinstance(value, list) else [value]):
-            if isinstance(item, BaseModel):
-                names += ignored_fields(item, f"{prefix}{name}." + (f"{i}." if isinstance(value, list) else ""))
-    return names
-
-
-# Every integer must fit torch's int64 (seeds, top-k and token ids become tensors in the engine thread,
-# where an overflow would fail the step of every request in the batch).
-Int = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
-
-
-def _only(description: str) -> WrapValidator:
-    """Replace a union's per-member errors with one message saying what the field accepts."""
-    def validate(value: Any, handler: Callable[[Any], Any]) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError(f"must be {description}, got {type(value).__name__}") from None
-    return WrapValidator(validate)
-
-
-Prompt = Annotated[str | list[str] | list[int] | list[list[int]],
-                   _only("a string, a list of strings, a list of token ids or a list of token-id lists")]
-Stop = Annotated[str | list[str] | None, _only("a string or a list of strings")]
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class StructuredOutputsRequest(_Strict):
-    """vLLM's `structured_outputs`: exactly one of these."""
-
-    json_schema: dict | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    def params(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(json=self.json_schema, regex=self.regex, choice=self.choice,
-                                       grammar=self.grammar, json_object=self.json_object)
-
-
-class _GenerationRequest(_Strict):
-    model: str | None = None
-    n: Int = 1
-    best_of: Int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int | None = None
-    seed: Int | None = None
-    stop: Stop = None
-    stop_token_ids: list[Int] | None = None
-    ignore_eos: bool = False
-    min_tokens: Int = 0
-    priority: Int = 0
-    user: str | None = None  # the tenant of the fair scheduling policy
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[Int] | None = None
-    prompt_logprobs: Int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    structured_outputs: StructuredOutputsRequest | None = None
-    # vLLM's older names for structured_outputs.
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputsParams | None) -> SamplingParams:
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
-        try:
-            logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise APIError(400, "logit_bias: keys must be token ids", "logit_bias") from None
-        try:
-            return SamplingParams(
-                n=self.n, best_of=self.best_of, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
-                stop_token_ids=self.stop_token_ids, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-                min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                logit_bias=logit_bias or None, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
-                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprobs,
-                skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured)
-        except ValueError as e:
-            raise _engine_error(e, self, "request") from None
-
-    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
-        """(the field it came from, the constraint) of whichever structured-output field is set."""
-        given = {"structured_outputs": self.structured_outputs.params if self.structured_outputs else None,
-                 "guided_json": lambda: StructuredOutputsParams(json=self.guided_json),
-                 "guided_regex": lambda: StructuredOutputsParams(regex=self.guided_regex),
-                 "guided_choice": lambda: StructuredOutputsParams(choice=self.guided_choice),
-                 "guided_grammar": lambda: StructuredOutputsParams(grammar=self.guided_grammar),
-                 **self._more_structured()}
-        given = {name: make for name, make in given.items() if make is not None and
-                 (name in ("structured_outputs", "response_format", "tool_choice") or getattr(self, name) is not None)}
-        if len(given) > 1:
-            raise APIError(400, f"{' and '.join(given)} each constrain the output: send one", list(given)[1])
-        for name, make in given.items():
-            try:
-                return name, make()
-            except ValueError as e:
-                raise APIError(400, f"{name}: {e}", name) from None
-        return None
-
-    def _more_structured(self) -> dict[str, Callable[[], StructuredOutputsParams] | None]:
-        return {}
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-
-class CompletionRequest(_GenerationRequest):
-    prompt: Prompt
-    max_tokens: Int | None = 16  # OpenAI's default for completions
-    logprobs: Int | None = None
-    echo: bool = False
-    suffix: str | None = None
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCallIn(_Strict):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart] | None, _only("a string or a list of {type: 'text', text} parts")] = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls (its content may be empty)
-    tool_call_id: str | None = None  # a tool result: the call it answers
-
-    @model_validator(mode="after")
-    def _content_required(self) -> "ChatMessage":
-        # An assistant message that carries tool_calls may have none; every other message needs one.
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content is required for a {self.role} message")
-        return self
-
-    def template_dict(self) -> dict[str, Any]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        # Chat templates know system, user and assistant; OpenAI's developer role is the new system.
-        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
-        if self.tool_calls:  # templates expect the arguments as an object
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
-                               for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
-        return d
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-class JsonSchemaFormat(_Strict):
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class FunctionDefinition(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class ToolDefinition(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = None  # deprecated by OpenAI for max_completion_tokens; both work
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # several calls may come back either way
-
-    @property
-    def effective_tool_choice(self) -> str | NamedToolChoice:
-        """OpenAI's default: "auto" with tools, "none" without."""
-        if not self.tools:
-            return "none"
-        return self.tool_choice or "auto"
-
-    def _more_structured(self) -> dict[str, Callable[[], StructuredOutputsParams] | None]:
-        more: dict[str, Callable[[], StructuredOutputsParams] | None] = {}
-        fmt = self.response_format
-        if fmt is not None and fmt.type == "json_object":
-            more["response_format"] = lambda: StructuredOutputsParams(json_object=True)
-        elif fmt is not None and fmt.type == "json_schema":
-            if fmt.json_schema is None:
-                raise APIError(400, "response_format: type json_schema needs a json_schema", "response_format")
-            more["response_format"] = lambda: StructuredOutputsParams(json=fmt.json_schema.json_schema)
-        choice = self.effective_tool_choice
-        if choice == "required":
-            tools = [t.function.model_dump() for t in self.tools]
-            more["tool_choice"] = lambda: StructuredOutputsParams(json=required_schema(tools))
-        elif isinstance(choice, NamedToolChoice):
-            tool = self.named_tool(choice.function.name)
-            more["tool_choice"] = lambda: StructuredOutputsParams(json=tool.parameters or {"type": "object"})
-        return more
-
-    def named_tool(self, name: str) -> FunctionDefinition:
-        for t in self.tools or []:
-            if t.function.name == name:
-                return t.function
-        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
-
-
-def _parse(model: type[_Strict], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise _validation_error(e) from None
-
-
-# -- responses ----------------------------------------------------------------------------------------------
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # vLLM's extension: per prompt token (None for the first), {token id: {logprob, decoded_token}}
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: dict[str, Any]  # {"role": "assistant"} first, then {"content": ...} and/or {"tool_calls": [...]}
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class _Response(BaseModel):
-    id: str
-    object: str
-    created: int
-    model: str
-    usage: Usage | None = None
-
-
-class CompletionResponse(_Response):
-    choices: list[CompletionChoice]
-
-
-class ChatCompletionResponse(_Response):
-    choices: list[ChatChoice]
-
-
-class ChatCompletionChunk(_Response):
-    choices: list[ChatChunkChoice]
-
-
-# -- from engine outputs to OpenAI choices ------------------------------------------------------------------
-@dataclass
-class Delta:
-    """What one engine step added to one choice."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    text_offset: int  # where `text` starts in the choice's whole text
-    finish_reason: str | None
-    stop_reason: int | str | None
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # in the choice's first delta, when asked
-
-
-@dataclass
-class _ChoiceCursor:
-    text_len: int = 0
-    num_tokens: int = 0
-
-
-@dataclass
-class ChoiceTracker:
-    """Turns the engine's cumulative outputs of a group of requests into per-choice deltas and usage."""
-
-    index_of: dict[str, int]  # engine request id -> choice index
-    n: int  # choices per prompt: prompt tokens count once per prompt
-    cursors: dict[int, _ChoiceCursor] = field(default_factory=dict)
-    prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt number -> its length
-
-    def delta(self, out: RequestOutput) -> Delta | None:
-        index, c = self.index_of[out.request_id], out.outputs[0]
-        cur = self.cursors.setdefault(index, _ChoiceCursor())
-        self.prompt_tokens[index // self.n] = len(out.prompt_token_ids)
-        new_tokens = c.token_ids[cur.num_tokens:]
-        if not new_tokens and not out.finished:
-            return None
-        d = Delta(index, c.text[cur.text_len:], new_tokens,
-                  c.logprobs[cur.num_tokens:] if c.logprobs is not None else None, cur.text_len,
-                  c.finish_reason, c.stop_reason, out.prompt_logprobs if cur.num_tokens == 0 else None)
-        cur.text_len, cur.num_tokens = len(c.text), len(c.token_ids)
-        return d
-
-    def usage(self) -> Usage:
-        prompt = sum(self.prompt_tokens.values())
-        completion = sum(c.num_tokens for c in self.cursors.values())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _whole(index: int, out: RequestOutput) -> Delta:
-    c = out.outputs[0]
-    return Delta(index, c.text, c.token_ids, c.logprobs, 0, c.finish_reason, c.stop_reason, out.prompt_logprobs)
-
-
-class _Formatter(ABC):
-    """What differs between the two APIs: names, and how a choice and a stream chunk look."""
-
-    object: str
-    chunk_object: str
-    id_prefix: str
-
-    def __init__(self, token_text: Callable[[int], str], top_logprobs: int | None) -> None:
-        self.token_text = token_text
-        self.top_logprobs = top_logprobs  # how many alternatives per token were asked for, None: none
-
-    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
-        return sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
-
-    def stream_start(self, base: dict[str, Any], num_choices: int) -> list[BaseModel]:
-        """Chunks sent before any token."""
-        return []
-
-    @abstractmethod
-    def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
-        """The whole answer of a non-streamed request."""
-
-    @abstractmethod
-    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel | None:
-        """One stream event: a choice's delta, or (d=None) the usage; None: nothing to send yet."""
-
-
-class _CompletionFormatter(_Formatter):
-    object = chunk_object = "text_completion"
-    id_prefix = "cmpl"
-
-    def __init__(self, token_text: Callable[[int], str], top_logprobs: int | None,
-                 echo: list[str] | None = None, n: int = 1) -> None:
-        super().__init__(token_text, top_logprobs)
-        self.echo, self.n = echo, n  # echo: each prompt's text, put before its choices' first text
-        self._echoed: set[int] = set()
-
-    def _text(self, d: Delta) -> str:
-        if self.echo is None or d.index in self._echoed:
-            return d.text
-        self._echoed.add(d.index)
-        return self.echo[d.index // self.n] + d.text
-
-    def _logprobs(self, d: Delta) -> CompletionLogprobs | None:
-        if d.logprobs is None:
-            return None
-        tokens = [self.token_text(t) for t in d.token_ids]
-        offsets = [d.text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[e[t] for t, e in zip(d.token_ids, d.logprobs)],
-            top_logprobs=[{self.token_text(k): v for k, v in self._top(e)} for e in d.logprobs], text_offset=offsets)
-
-    def choice(self, d: Delta) -> CompletionChoice:
-        prompt_logprobs = None if d.prompt_logprobs is None else [
-            None if e is None else {str(t): {"logprob": v, "decoded_token": self.token_text(t)} for t, v in e.items()}
-            for e in d.prompt_logprobs]
-        return CompletionChoice(index=d.index, text=self._text(d), logprobs=self._logprobs(d),
-                                finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                                prompt_logprobs=prompt_logprobs)
-
-    def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
-        return CompletionResponse(**base, object=self.object, choices=[self.choice(d) for d in choices], usage=usage)
-
-    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel:
-        return CompletionResponse(**base, object=self.chunk_object, choices=[self.choice(d)] if d else [],
-                                  usage=usage)
-
-
-class _ChatFormatter(_Formatter):
-    object, chunk_object = "chat.completion", "chat.completion.chunk"
-    id_prefix = "chatcmpl"
-
-    def __init__(self, token_text: Callable[[int], str], top_logprobs: int | None,
-                 tools: ToolCallOutput | None = None) -> None:
-        super().__init__(token_text, top_logprobs)
-        self.tools = tools  # None: the text is all content
-
-    def _logprobs(self, d: Delta) -> ChatLogprobs | None:
-        if d.logprobs is None:
-            return None
-
-        def top(token: int, logprob: float) -> TopLogprob:
-            text = self.token_text(token)
-            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-
-        return ChatLogprobs(content=[
-            TokenLogprob(**top(t, e[t]).model_dump(), top_logprobs=[top(k, v) for k, v in self._top(e)])
-            for t, e in zip(d.token_ids, d.logprobs)])
-
-    def response(self, base: dict[str, Any], choices: list[Delta], usage: Usage) -> BaseModel:
-        return ChatCompletionResponse(**base, object=self.object, usage=usage,
-                                      choices=[self._choice(d) for d in choices])
-
-    def _choice(self, d: Delta) -> ChatChoice:
-        content, calls = self.tools.whole(d.text) if self.tools else (d.text, [])
-        message = ChatResponseMessage(content=content, tool_calls=[c.openai() for c in calls])
-        return ChatChoice(index=d.index, message=message, logprobs=self._logprobs(d),
-                          finish_reason=_tool_finish(d.finish_reason, bool(calls)), stop_reason=d.stop_reason)
-
-    def stream_start(self, base: dict[str, Any], num_choices: int) -> list[BaseModel]:
-        return [ChatCompletionChunk(**base, object=self.chunk_object,
-                                    choices=[ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
-                for i in range(num_choices)]
-
-    def chunk(self, base: dict[str, Any], d: Delta | None, usage: Usage | None = None) -> BaseModel | None:
-        choices = [self._chunk_choice(d)] if d else []
-        if d and choices[0] is None:
-            return None
-        return ChatCompletionChunk(**base, object=self.chunk_object, choices=choices, usage=usage)
-
-    def _chunk_choice(self, d: Delta) -> ChatChunkChoice | None:
-        finish = d.finish_reason
-        if self.tools is None:
-            delta: dict[str, Any] = {"content": d.text}
-        else:  # tool calls are held back until they parse: a step may have nothing to send
-            content, calls = self.tools.stream(d.index, d.text, d.finish_reason is not None)
-            delta = {"content": content} if content else {}
-            if calls:
-                delta["tool_calls"] = calls
-            if not delta and finish is None:
-                return None
-            finish = _tool_finish(finish, self.tools.called(d.index))
-        return ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d), finish_reason=finish,
-                               stop_reason=d.stop_reason)
-
-
-def _tool_finish(reason: str | None, called: bool) -> str | None:
-    """OpenAI's finish reason for an answer that ended by calling tools."""
-    return "tool_calls" if called and reason == "stop" else reason
 
 
 # -- the server ------------------------------------------------------------------------------------------------
@@ -649,6 +70,7 @@ class ServerOptions:
     chat_template: str | None = None  # replaces the model's (the text of a Jinja template)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse tool calls out of the text
     tool_call_parser: str | None = None
+    lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters loaded at start (--lora-modules)
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
@@ -663,23 +85,25 @@ class ServerOptions:
 class _Generation:
     """A validated request, ready for the engine."""
 
-    body: _GenerationRequest
+    body: GenerationRequest
     prompts: list[PromptType]
     params: SamplingParams
-    formatter: _Formatter
+    formatter: Formatter
     prompt_field: str  # where a prompt error points: "prompt" or "messages"
     ignored: list[str]  # unknown request fields, named in the response
+    received: float  # when the server began to read it (time.perf_counter: the engine's clock too)
     lora: LoRARequest | None = None  # the adapter the request's model names
 
 
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, options: ServerOptions) -> None:
+    def __init__(self, engine: EngineClient, options: ServerOptions) -> None:
         self.options = options
+        self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.max_num_seqs = engine.config.max_num_seqs
+        self.max_num_seqs = engine.max_num_seqs
         self.metrics = ServerMetrics(options.served_model_name, lambda: self.engine.stats)
-        self.engine = AsyncEngine(engine, options.max_waiting_requests, self.metrics.observe_finished)
-        self.lora = LoRARoutes(self.engine, options.served_model_name, engine.list_loras(), APIError)
+        engine.on_finished = self.metrics.observe_finished
+        self.lora = LoRARoutes(engine, options.served_model_name, options.lora_modules, APIError)
 
     # -- endpoints -------------------------------------------------------------------------------------------
     async def health(self) -> Response:
@@ -697,11 +121,33 @@ class OpenAIServer:
         created = int(time.time())
         return JSONResponse({"object": "list", "data": [{
             "id": self.options.served_model_name, "object": "model", "created": created,
-            "owned_by": "minivllm", "max_model_len": self.engine.engine.max_model_len},
+            "owned_by": "minivllm", "max_model_len": self.engine.max_model_len},
             *self.lora.model_cards(created)]})
 
+    async def tokenize(self, request: Request) -> JSONResponse:
+        body = parse_request(TokenizeRequest, await read_body(request))
+        self.lora.resolve(body.model)
+        chat = body.messages is not None
+        text = self._chat_prompt(body.messages, body.add_generation_prompt) if chat else body.prompt
+        # vLLM's defaults: a template writes its special tokens itself; a plain prompt gets the tokenizer's
+        add_special = (not chat) if body.add_special_tokens is None else body.add_special_tokens
+        tokens = self.tokenizer.encode(text, add_special_tokens=add_special)
+        answer = {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            answer["token_strs"] = [self.tokenizer.backend.id_to_token(t) for t in tokens]
+        return JSONResponse(answer)
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        body = parse_request(DetokenizeRequest, await read_body(request))
+        self.lora.resolve(body.model)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
     async def completions(self, request: Request) -> Response:
-        body = _parse(CompletionRequest, await read_body(request))
+        received = time.perf_counter()
+        body = parse_request(CompletionRequest, await read_body(request))
         lora = self.lora.resolve(body.model)
         if body.suffix:
             raise APIError(400, "suffix: fill-in-the-middle is not supported: the served model has no FIM "
@@ -712,12 +158,13 @@ class OpenAIServer:
         params = body.sampling_params(body.max_tokens, body.logprobs, await self._structured(body))
         prompts = _completion_prompts(body.prompt)
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
-        formatter = _CompletionFormatter(self._token_text, body.logprobs, echo, params.n)
+        formatter = CompletionFormatter(self._token_text, body.logprobs, echo, params.n)
         return await self._generate(request, _Generation(body, prompts, params, formatter, "prompt",
-                                                         ignored_fields(body), lora))
+                                                         ignored_fields(body), received, lora))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = _parse(ChatCompletionRequest, await read_body(request))
+        received = time.perf_counter()
+        body = parse_request(ChatCompletionRequest, await read_body(request))
         lora = self.lora.resolve(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -725,15 +172,19 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                       await self._structured(body))
+        prompt = self._chat_prompt(body.messages, True, body.tools)
+        formatter = ChatFormatter(self._token_text, body.top_logprobs or 0, tools)
+        return await self._generate(request, _Generation(body, [prompt], params, formatter, "messages",
+                                                         ignored_fields(body), received, lora))
+
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     tools: list[ToolDefinition] | None = None) -> str:
         try:
-            prompt = self.tokenizer.apply_chat_template(
-                [m.template_dict() for m in body.messages], chat_template=self.options.chat_template,
-                tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+            return self.tokenizer.apply_chat_template(
+                [m.template_dict() for m in messages], add_generation_prompt, self.options.chat_template,
+                [t.model_dump(exclude_none=True) for t in tools] if tools else None)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"messages: {e}", "messages") from None
-        formatter = _ChatFormatter(self._token_text, body.top_logprobs or 0, tools)
-        return await self._generate(request, _Generation(body, [prompt], params, formatter, "messages",
-                                                         ignored_fields(body), lora))
 
     def _tool_output(self, body: ChatCompletionRequest) -> ToolCallOutput | None:
         choice = body.effective_tool_choice
@@ -747,16 +198,15 @@ class OpenAIServer:
                            "tool_choice")
         return ToolCallOutput(choice)
 
-    async def _structured(self, body: _GenerationRequest) -> StructuredOutputsParams | None:
-        """The request's output constraint, its grammar compiled (off the event loop and the step loop,
-        in the compiler's pool) so that a grammar the library rejects is a 400 naming the field."""
+    async def _structured(self, body: GenerationRequest) -> StructuredOutputsParams | None:
+        """The request's output constraint, its grammar compiled (by the engine, off the event loop and the
+        step loop) so that a grammar the library rejects is a 400 naming the field."""
         found = body.structured()
         if found is None:
             return None
         name, params = found
-        manager = await asyncio.to_thread(lambda: self.engine.engine.structured_output)
         try:
-            await asyncio.wrap_future(manager.compile(params))
+            await self.engine.check_structured(params)
         except ValueError as e:
             raise APIError(400, f"{name}: {e}", name) from None
         return params
@@ -778,15 +228,15 @@ class OpenAIServer:
         try:
             stream = await self.engine.generate(requests, gen.body.priority, gen.body.user or "default")
         except ValueError as e:  # the engine's checks: the prompt's emptiness, token ids, length; stop tokens
-            raise _engine_error(e, gen.body, gen.prompt_field) from None
+            raise engine_error(e, gen.body, gen.prompt_field) from None
         except QueueFullError as e:
             raise APIError(503, str(e), None, "queue_full") from None
         except EngineDeadError as e:
             raise APIError(503, str(e), None, "engine_dead") from None
         headers = self._ignored_header(gen.ignored)
         if gen.body.stream:
-            return EventSourceResponse(self._sse(stream, tracker, fmt, base, gen.body.include_usage, len(requests)),
-                                       headers=headers)
+            return EventSourceResponse(stream_events(stream, tracker, fmt, base, gen.body.include_usage,
+                                                     len(requests), gen.received), headers=headers)
         try:
             finals = await _collect(stream, request)
         except EngineDeadError as e:
@@ -795,9 +245,10 @@ class OpenAIServer:
             return Response(status_code=499)
         for out in finals:
             tracker.delta(out)
-        choices = [_whole(tracker.index_of[o.request_id], o) for o in finals]
-        return JSONResponse(fmt.response(base, sorted(choices, key=lambda d: d.index), tracker.usage()).model_dump(),
-                            headers=headers)
+        choices = [whole_choice(tracker.index_of[o.request_id], o) for o in finals]
+        answer = fmt.response(base, sorted(choices, key=lambda d: d.index), tracker.usage()).model_dump()
+        answer["time_breakdown_ms"] = tracker.time_breakdown_ms(gen.received, time.perf_counter())
+        return JSONResponse(answer, headers=headers)
 
     @staticmethod
     def _ignored_header(ignored: list[str]) -> dict[str, str]:
@@ -807,24 +258,6 @@ class OpenAIServer:
             _logged_ignored.update(new)
             logger.warning("ignoring unknown request fields (logged once each): %s", ", ".join(new))
         return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else {}
-
-    @staticmethod
-    async def _sse(stream: RequestStream, tracker: ChoiceTracker, fmt: _Formatter, base: dict[str, Any],
-                   include_usage: bool, num_choices: int) -> AsyncIterator[bytes]:
-        """One event per choice per engine step; a client that hangs up cancels this, which aborts."""
-        try:
-            for chunk in fmt.stream_start(base, num_choices):
-                yield _event(chunk)
-            async for out in stream:
-                if (d := tracker.delta(out)) is not None and (chunk := fmt.chunk(base, d)) is not None:
-                    yield _event(chunk)
-            if include_usage:
-                yield _event(fmt.chunk(base, None, tracker.usage()))
-        except EngineDeadError as e:
-            yield format_sse_event(data_str=json.dumps(APIError(503, str(e), None, "engine_dead").body()))
-        finally:
-            stream.close()
-        yield format_sse_event(data_str="[DONE]")
 
     # -- authentication -----------------------------------------------------------------------------------------
     def check_api_key(self, credentials: Bearer) -> None:
@@ -836,10 +269,6 @@ class OpenAIServer:
                            "invalid_api_key")
         if not secrets.compare_digest(credentials.credentials.encode(), key.encode()):
             raise APIError(401, "incorrect API key", None, "invalid_api_key")
-
-
-def _event(chunk: BaseModel) -> bytes:
-    return format_sse_event(data_str=chunk.model_dump_json())
 
 
 def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
@@ -896,10 +325,8 @@ async def _collect(stream: RequestStream, request: Request) -> list[RequestOutpu
 
 
 # -- the app -----------------------------------------------------------------------------------------------------
-def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
+def build_app(engine: EngineClient, options: ServerOptions) -> FastAPI:
     server = OpenAIServer(engine, options)
-    feed = LiveFeed(engine.start_time, run_record(engine.config))
-    engine.observers.append(feed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -914,8 +341,10 @@ def build_app(engine: LLMEngine, options: ServerOptions) -> FastAPI:
     app.get("/v1/models", dependencies=v1)(server.models)
     app.post("/v1/completions", dependencies=v1)(server.completions)
     app.post("/v1/chat/completions", dependencies=v1)(server.chat_completions)
+    app.post("/tokenize", dependencies=v1)(server.tokenize)
+    app.post("/detokenize", dependencies=v1)(server.detokenize)
     add_lora_routes(app, server.lora, v1)
-    add_routes(app, Dashboard(options.api_key, feed, title=options.served_model_name))
+    add_routes(app, Dashboard(options.api_key, engine.feed, title=options.served_model_name))
 
     add_error_handlers(app)
     return app
@@ -973,12 +402,12 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(engine: LLMEngine, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(engine: EngineClient, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve until SIGTERM or Ctrl-C, then stop accepting, let in-flight requests finish (aborting
     those still running after GRACEFUL_SHUTDOWN_S), and return."""
     app = build_app(engine, options)
     print("minivllm: batch-invariant kernels: " + (
-        "yes (the same request gets the same logits whatever shares its steps)" if engine.runner.batch_invariant
+        "yes (the same request gets the same logits whatever shares its steps)" if engine.batch_invariant
         else "no (torch kernels: a near-tie may break differently as the batch changes)"), flush=True)
     server = _Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
                      options.served_model_name, engine.startup_time)
