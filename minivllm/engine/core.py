@@ -35,6 +35,10 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import StructuredOutputsParams
 
 STARTUP_FAILED = -1  # the call id of the Reply that says why the engine could not start
+# The exceptions a Reply re-raises in the frontend as themselves (by the first of their classes named here:
+# an AdapterError is a ValueError there); any other becomes a RuntimeError.
+ERRORS: dict[str, type[Exception]] = {"QueueFullError": QueueFullError, "FileNotFoundError": FileNotFoundError,
+                                      "ValueError": ValueError}
 IDLE_POLL_MS = 500  # idle, the socket is polled this long at a time (then: is the parent still there?)
 LINGER_MS = 1000
 PENDING_POLL_MS = 5  # while a utility's answer is being computed elsewhere (a grammar compiling)
@@ -60,7 +64,7 @@ class EngineCore:
             engine.add_loras(lora_modules)
             engine.warm_up()
         except (ValueError, FileNotFoundError) as e:  # a bad config: the frontend says so and exits
-            self._send(Reply(STARTUP_FAILED, error=str(e), error_type=type(e).__name__))
+            self._send(error_reply(STARTUP_FAILED, e))
             raise SystemExit(1) from None
         self.max_waiting_requests = max_waiting_requests
         self.feed = LiveFeed(engine.start_time, run_record(config))  # re-published by the frontend
@@ -118,7 +122,7 @@ class EngineCore:
             add_group(self.engine, requests, first.priority, first.tenant, self.max_waiting_requests,
                       first.arrival_time)
         except (ValueError, QueueFullError) as e:
-            return Reply(message.call_id, error=str(e), error_type=type(e).__name__)
+            return error_reply(message.call_id, e)
         return Reply(message.call_id)
 
     # -- utility calls ------------------------------------------------------------------------------------------
@@ -130,7 +134,7 @@ class EngineCore:
         try:
             result = method(*call.args)
         except Exception as e:  # a bad argument must not stop the engine
-            self._send(Reply(call.call_id, error=str(e), error_type=type(e).__name__))
+            self._send(error_reply(call.call_id, e))
             return
         if isinstance(result, Future):
             self._pending.append((call.call_id, result))
@@ -142,7 +146,7 @@ class EngineCore:
             self._pending.remove((call_id, future))
             error = future.exception()
             self._send(Reply(call_id) if error is None else
-                       Reply(call_id, error=str(error), error_type=type(error).__name__))
+                       error_reply(call_id, error))
 
     def utility_compile_grammar(self, params: dict[str, Any]) -> Future:
         """Compile a structured-output grammar (in the compiler's pool; cached for the request that
@@ -182,6 +186,11 @@ class EngineCore:
 
     def _send(self, message: Any) -> None:
         self.output.send(encoder.encode(message), copy=False)
+
+
+def error_reply(call_id: int, e: BaseException) -> Reply:
+    kind = next((c.__name__ for c in type(e).__mro__ if c.__name__ in ERRORS), type(e).__name__)
+    return Reply(call_id, error=str(e), error_type=kind)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,

@@ -27,8 +27,8 @@ import zmq
 import zmq.asyncio
 
 from minivllm.config import EngineConfig
-from minivllm.engine.async_engine import EngineDeadError, EngineRequest, QueueFullError, RequestStream
-from minivllm.engine.core import STARTUP_FAILED, run_engine_core
+from minivllm.engine.async_engine import EngineDeadError, EngineRequest, RequestStream
+from minivllm.engine.core import ERRORS, STARTUP_FAILED, run_engine_core
 from minivllm.engine.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
                                            UtilityCall, decoder, encoder)
 from minivllm.engine.live import LiveFeed
@@ -42,9 +42,6 @@ from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 STARTUP_TIMEOUT_S = 600  # a cold start compiles the kernels and packs the weights
 SHUTDOWN_TIMEOUT_S = 30  # after SIGTERM, the engine process gets this long before it is killed
-_ERRORS = {"ValueError": ValueError, "QueueFullError": QueueFullError, "FileNotFoundError": FileNotFoundError}
-
-
 @dataclass
 class _Request:
     """The frontend's state of one engine request: its text so far, and the whole output to hand out."""
@@ -160,7 +157,7 @@ class EngineCoreClient:
                     return message
                 if isinstance(message, Reply) and message.call_id == STARTUP_FAILED:
                     self.process.join()
-                    raise _ERRORS.get(message.error_type, RuntimeError)(message.error)
+                    raise ERRORS.get(message.error_type, RuntimeError)(message.error)
             if not self.process.is_alive():
                 raise RuntimeError(f"the engine process exited with code {self.process.exitcode} while starting")
         self.process.kill()
@@ -252,7 +249,7 @@ class EngineCoreClient:
         if reply.error is None:
             future.set_result(reply.result)
         else:
-            future.set_exception(_ERRORS.get(reply.error_type, RuntimeError)(reply.error))
+            future.set_exception(ERRORS.get(reply.error_type, RuntimeError)(reply.error))
 
     def _deliver(self, batch: OutputBatch) -> None:
         if batch.stats is not None:
