@@ -15,7 +15,6 @@ import heapq
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
