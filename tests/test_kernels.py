@@ -12,7 +12,7 @@ from minivllm.model.attention import kv_cache_shapes, write_kv
 from minivllm.model.kernels import (FAMILIES, attention_kernel, cpu_arch, gemm, layer_ops, library,
                                     paged_attention_native, report)
 from minivllm.model.kv_cache import KVCache, allocate_kv_caches, dequantize, kv_format
-from minivllm.model.llama import RMSNorm, apply_rotary
+from minivllm.model.decoder import RMSNorm, apply_rotary
 from tests.helpers import EQUALITY_PROMPTS, greedy
 
 
@@ -117,7 +117,7 @@ def test_layer_ops_match_torch(dtype, tokens, cpu_target):
 
     gate_up = torch.randn(tokens, 2 * 1536, generator=gen).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ops.act_and_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

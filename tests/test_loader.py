@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.model.llama import rope_inv_freq
+from minivllm.model.decoder import rope_inv_freq
 from minivllm.model.loader import load_checkpoint
 from tests.helpers import (EQUALITY_PROMPTS, LONG_PROMPT, TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, assert_match_hf,
                            encode_matrix, greedy, tiny_head_dim, write_tiny_gguf)
@@ -196,21 +196,3 @@ def test_transformers_v4_config_reads_like_v5(tmp_path: Path, tokenizer_dir: Pat
     assert v4_config.rope_theta == v5_config.rope_theta == 10000.0
     assert v4_config.rope_scaling["rope_type"] == "llama3"
     torch.testing.assert_close(rope_inv_freq(v4_config), rope_inv_freq(v5_config))
-
-
-def test_sliding_window_checkpoint_is_kept_within_its_window(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """Sliding-window attention is not implemented: a Mistral-style checkpoint whose window is shorter than
-    its context gets max_model_len = the window (where plain attention is exact), and a longer one asked
-    for is refused, naming the window."""
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("mistral")
-    config.sliding_window = 48
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    shutil.copytree(tokenizer_dir, tmp_path, dirs_exist_ok=True)
-    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=32)
-    assert llm.engine.model_config.sliding_window == 48 and llm.engine.max_model_len == 48
-    with pytest.raises(ValueError, match="prompt has 60 tokens, but max_model_len is 48"):
-        llm.engine.add_request(None, [5] * 60)
-    with pytest.raises(ValueError, match="exceeds the model's sliding window of 48 tokens"):
-        LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=200)

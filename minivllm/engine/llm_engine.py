@@ -13,7 +13,6 @@ runs this very step logic.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import itertools
 import logging
 import sys
@@ -36,11 +35,11 @@ from minivllm.engine.spec_decode import PROPOSERS, DraftPrefix
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
-from minivllm.model import weight_cache
 from minivllm.model.kernels import layer_ops
 from minivllm.model.kernels import report as kernels_report
-from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
+from minivllm.model.loader import resolve_model_path
+from minivllm.model.loading import load_model
+from minivllm.model.model_config import ModelConfig
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
 from minivllm.model.sampler import Sampler
 from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer, get_tokenizer
@@ -52,31 +51,6 @@ PromptType = str | list[int] | dict[str, Any]
 IDLE_WAIT_S = 0.01  # with nothing to run but grammars compiling or KV tier reads, how long a step waits for one
 
 logger = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=2)
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
-               ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Engines in one process (a benchmark comparing schedulers, a test suite) share read-only
-    weights: the KV cache and all state are per engine. Quantized weights, once packed, are cached
-    on disk and mapped at later starts (weight_cache.py)."""
-    cached = weight_cache.cache_file(path, device, dtype, quantization)
-    hit = weight_cache.load(cached) if cached is not None else None
-    if hit is not None:
-        model_config, state = hit
-        try:
-            return model_config, LlamaForCausalLM.from_state(model_config, state, device)
-        except (ValueError, KeyError, AttributeError, RuntimeError) as e:  # an entry this code cannot use
-            print(f"minivllm: the cached weights in {cached} do not fit this model ({e}); rebuilding",
-                  file=sys.stderr, flush=True)
-    if cached is not None:
-        print(f"minivllm: packing the weights once into {cached.parent} ...", file=sys.stderr, flush=True)
-    # Decoded straight into the model's dtype, or kept quantized.
-    model_config, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
-    model = LlamaForCausalLM.from_weights(model_config, weights, device, dtype, quantization)
-    if cached is not None:
-        weight_cache.save(cached, model_config, model.state())
-    return model_config, model
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -187,15 +161,6 @@ class LLMEngine:
         if self.config.max_model_len and self.config.max_model_len > capacity:
             raise ValueError(f"max_model_len {self.config.max_model_len} needs more KV cache than the "
                              f"{num_blocks} blocks x {self.config.block_size} tokens configured")
-        # Sliding-window attention is not implemented: within the window it is plain causal attention,
-        # so sequences are kept within it rather than silently attending past it.
-        window = self.model_config.sliding_window
-        if window and wanted > window:
-            if self.config.max_model_len:
-                raise ValueError(f"max_model_len {wanted} exceeds the model's sliding window of {window} tokens; "
-                                 "minivllm does not implement sliding-window attention, so at most "
-                                 f"max_model_len={window} is exact")
-            wanted = window
         return min(wanted, capacity)
 
     # -- requests -----------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.config import cache_dir
-from minivllm.model.loader import ModelConfig, checkpoint_digest, model_files_dir
+from minivllm.model.loader import checkpoint_digest, model_files_dir
+from minivllm.model.model_config import ModelConfig
 
 # Bump when what minivllm saves for a converted tokenizer changes.
 TOKENIZER_CACHE_VERSION = 2

@@ -3,10 +3,13 @@
  * At a few tokens per step each torch op costs more in dispatch than in arithmetic, and a decoder
  * layer has dozens of them. Each kernel here does one layer's worth in one call:
  *   add_rms_norm   residual += delta (if any); out = RMSNorm(residual) * weight
- *   rotary         rotate q and k in place (NeoX halves), from float32 cos/sin tables
+ *   head_rms_norm  RMSNorm of each head of q or k in place (Qwen3's and Gemma 3's q/k norms)
+ *   rotary         rotate q and k in place (NeoX halves of the first rot_dim of each head: partial
+ *                  rotary where rot_dim < head_dim), from float32 cos/sin tables
  *   write_kv       copy the new tokens' K and V into their pool slots (layout: attention.py), or
  *                  quantize them into a quantized pool with one scale per token and kv head (kv_cache.py)
  *   silu_and_mul   out = silu(gate) * up, from the fused gate_up output
+ *   gelu_tanh_and_mul  the same with GELU's tanh approximation (Gemma's GeGLU)
  * Intermediate results are rounded to the model's dtype exactly where the torch code rounds them
  * (round_bf16), so that the native and torch paths give the same numbers up to the order of sums.
  * Rows are split across OpenMP threads only when there are enough of them to pay for the fork.
@@ -40,9 +43,22 @@ void add_rms_norm_##S(const T *delta, T *residual, const T *weight, T *out, int6
     }                                                                                                      \
 }                                                                                                          \
                                                                                                            \
+void head_rms_norm_##S(T *x, int64_t stride, int64_t tokens, int64_t heads, int64_t head_dim, const T *weight, \
+                       float eps) {                                                                        \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++)                                                                   \
+        for (int64_t h = 0; h < heads; h++) {                                                              \
+            T *r = x + t * stride + h * head_dim;                                                          \
+            float sum = 0.f;                                                                               \
+            for (int64_t i = 0; i < head_dim; i++) { const float v = LOAD(r[i]); sum += v * v; }           \
+            const float inv = 1.f / sqrtf(sum / head_dim + eps);                                           \
+            for (int64_t i = 0; i < head_dim; i++) r[i] = STORE(round_##S(LOAD(r[i]) * inv) * LOAD(weight[i])); \
+        }                                                                                                  \
+}                                                                                                          \
+                                                                                                           \
 void rotary_##S(T *q, int64_t q_stride, T *k, int64_t k_stride, const float *cos, const float *sin,       \
-                int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim) {                      \
-    const int64_t half = head_dim / 2;                                                                     \
+                int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rot_dim) {     \
+    const int64_t half = rot_dim / 2;                                                                      \
     _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
     for (int64_t t = 0; t < tokens; t++) {                                                                 \
         const float *c = cos + t * half, *s = sin + t * half;                                              \
@@ -82,6 +98,20 @@ void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {
             const float x = LOAD(g[i]);                                                                    \
             /* exp of at most 88: expf(-x) past float range is inf, which -ffast-math may turn to NaN */  \
             o[i] = STORE(round_##S(x / (1.f + expf(fminf(-x, 88.f)))) * LOAD(u[i]));                      \
+        }                                                                                                  \
+    }                                                                                                      \
+}                                                                                                          \
+                                                                                                           \
+void gelu_tanh_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {                      \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++) {                                                                 \
+        const T *g = gate_up + t * 2 * inter, *u = g + inter;                                              \
+        T *o = out + t * inter;                                                                            \
+        _Pragma("omp simd")                                                                                \
+        for (int64_t i = 0; i < inter; i++) {                                                              \
+            const float x = LOAD(g[i]);                                                                    \
+            const float gelu = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))); \
+            o[i] = STORE(round_##S(gelu) * LOAD(u[i]));                                                    \
         }                                                                                                  \
     }                                                                                                      \
 }
