@@ -161,7 +161,7 @@ def gguf_tokenizer_files(path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:  # write aside, then rename: a reader never sees half a directory
-        _auto_tokenizer(*model_files_dir(path)).save_pretrained(tmp)
+        _gguf_auto_tokenizer(path, tmp).save_pretrained(tmp)
         tmp.rename(target)
     except OSError:
         if not (target / "tokenizer.json").is_file():  # not another process winning the race
@@ -169,6 +169,35 @@ def gguf_tokenizer_files(path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _gguf_auto_tokenizer(path: Path, scratch: Path) -> Any:
+    """transformers' tokenizer of a GGUF file. transformers converts the tokenizers of the architectures
+    it knows only (not SmolLM3's or Granite's, say), yet a GGUF tokenizer does not depend on the
+    architecture: for another one, its tokenizer.* fields are copied into a vocabulary-only file that
+    says "llama", and that one is converted."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from minivllm.model.gguf_file import GGUFFile
+
+    if GGUFFile(path).get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES:
+        return _auto_tokenizer(*model_files_dir(path))
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    vocab = scratch / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(vocab), "llama")
+    for name, f in reader.fields.items():
+        if name.startswith("tokenizer."):
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    try:
+        return _auto_tokenizer(scratch, vocab.name)
+    finally:
+        vocab.unlink()
 
 
 class IncrementalDetokenizer:
