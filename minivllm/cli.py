@@ -129,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = EngineConfig.from_cli_args(args, **({"model": args.model_tag} if args.model_tag else {}))
     options = ServerOptions(args.served_model_name or config.model or resolve_model_path(None).stem, args.api_key,
                             args.max_waiting_requests, load_chat_template(args.chat_template),
-                            args.enable_auto_tool_choice, args.tool_call_parser)
+                            args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
 
     def build() -> LLMEngine:
         engine = LLMEngine(config)
@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read out of the model's text (hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="put a thinking model's <think> part in the message's reasoning (and reasoning_content), "
+                        "the rest in content")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes), each on its own loopback port, behind one router here")
     add_router_args(p)

@@ -96,6 +96,31 @@ def test_bf16_reproducible_alone_and_in_a_crowd(kind: str, checkpoints: dict) ->
     crowd = [{"prompt_token_ids": p} for p in [prompts[0], prompts[1], prompts[1][:40], prompts[0] * 3]]
     together = llm.generate(crowd, params, use_tqdm=False)
     assert together[1].outputs[0].token_ids == alone
+    model = llm.engine.runner.model  # the Python loop over the same kernels: the same bits as forward.c's
+    native, model.native_forward = model.native_forward, None
+    try:
+        python_loop = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        model.native_forward = native
+    assert native is not None and python_loop == alone
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3"])
+def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
+    """The torch path (MINIVLLM_NO_KERNELS, CUDA) of the switches: softcaps and windows in attention.py,
+    q/k norms, GeGLU, partial rotary."""
+    path, hf_model = checkpoints[kind]
+    llm = _engine(path)
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    kernel = runner.attention_kernel
+    runner.attention_kernel = None
+    model.use_native_kernels(False)
+    try:
+        assert not runner.batch_invariant
+        _assert_matches_transformers(llm, hf_model)
+    finally:
+        runner.attention_kernel = kernel
+        model.use_native_kernels(True)
 
 
 def test_wrong_switch_breaks_equality(checkpoints: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -102,6 +102,9 @@ def load_parts(config: EngineConfig) -> ModelParts:
             from minivllm.distributed.worker import DriverRunner
 
             runner = DriverRunner(group, model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
+    loop = model.layer_loop() if runner.attention_kernel is not None else \
+        f"Python layer loop: no native attention kernel for head_dim {model_config.head_dim} on {device.type}/{dtype}"
+    print(f"minivllm: {model_config.architecture}: {loop}", file=sys.stderr, flush=True)
     kv_tier = None
     if config.kv_offloading:
         with timed(phases, "kv_tier"):  # indexes its directory, if any

@@ -374,6 +374,16 @@ class CausalLM(nn.Module):
         function = forward_layers(device, dtype) if enabled else None
         self.native_forward = NativeForward(self, function) if function and self.uses_native_kernels else None
 
+    def layer_loop(self) -> str:
+        """Which loop runs the layers, and why not the native one: for the engine's start-up line."""
+        if self.native_forward is not None:
+            return "native layer loop (csrc/forward.c)"
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        if forward_layers(device, dtype) is None:
+            return f"Python layer loop: no native layer loop for {device.type}/{dtype} on this target"
+        torch_linears = [n for n, m in self.named_modules() if isinstance(m, Linear) and not m.uses_native]
+        return f"Python layer loop: {', '.join(torch_linears[:3]) or 'a layer op'} run(s) as torch"
+
     @property
     def uses_native_kernels(self) -> bool:
         """Whether every GEMM and layer op runs natively (the batch-invariant kernels)."""

@@ -66,15 +66,18 @@ class Tokenizer:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            **template_kwargs: Any) -> str:
         """The prompt of a conversation, by the model's template or `chat_template` (which may render
         `tools`: OpenAI tool definitions), rendered as transformers renders it (tests/test_startup.py
-        compares them) but without importing it: a second of every server start."""
+        compares them) but without importing it: a second of every server start. `template_kwargs`: the
+        template's own variables (a request's chat_template_kwargs, e.g. enable_thinking=False)."""
         template = chat_template or self.chat_template
         if not template:
             raise ValueError("this model has no chat template; use completions instead")
-        return _compile_template(template).render(messages=messages, tools=tools,
-                                                  add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        variables = {**self.special_tokens, **template_kwargs}
+        return _compile_template(template).render(**variables, messages=messages, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt)
 
     @functools.cached_property
     def chat_template(self) -> str | None:

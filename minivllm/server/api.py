@@ -42,6 +42,7 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.server.dashboard import Dashboard, add_routes
 from minivllm.server.metrics import ServerMetrics
+from minivllm.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput, required_schema
 from minivllm.startup import phases_text, process_age
 
@@ -260,6 +261,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls (its content may be empty)
     tool_call_id: str | None = None  # a tool result: the call it answers
+    reasoning: str | None = None  # an assistant's earlier thought, as a reasoning parser returned it
+    reasoning_content: str | None = None  # the same under DeepSeek's name
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
@@ -278,6 +281,8 @@ class ChatMessage(_Strict):
                                for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if (thought := self.reasoning_content or self.reasoning) is not None:
+            d["reasoning_content"] = thought  # the name thinking models' templates read
         return d
 
 
@@ -331,6 +336,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # several calls may come back either way
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the template, e.g. {"enable_thinking": false}
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
@@ -413,6 +419,8 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning: str | None = None  # with --reasoning-parser: the thought (vLLM's field) ...
+    reasoning_content: str | None = None  # ... and the same under DeepSeek's name
 
 
 class ChatChoice(BaseModel):
@@ -578,9 +586,11 @@ class _ChatFormatter(_Formatter):
     id_prefix = "chatcmpl"
 
     def __init__(self, token_text: Callable[[int], str], top_logprobs: int | None,
-                 tools: ToolCallOutput | None = None) -> None:
+                 tools: ToolCallOutput | None = None, reasoning_parser: str | None = None) -> None:
         super().__init__(token_text, top_logprobs)
         self.tools = tools  # None: the text is all content
+        self.reasoning_parser = reasoning_parser  # None: no thought is split off
+        self._thoughts: dict[int, ReasoningStream] = {}
 
     def _logprobs(self, d: Delta) -> ChatLogprobs | None:
         if d.logprobs is None:
@@ -599,8 +609,10 @@ class _ChatFormatter(_Formatter):
                                       choices=[self._choice(d) for d in choices])
 
     def _choice(self, d: Delta) -> ChatChoice:
-        content, calls = self.tools.whole(d.text) if self.tools else (d.text, [])
-        message = ChatResponseMessage(content=content, tool_calls=[c.openai() for c in calls])
+        thought, text = split_reasoning(self.reasoning_parser, d.text) if self.reasoning_parser else (None, d.text)
+        content, calls = self.tools.whole(text or "") if self.tools else (text, [])
+        message = ChatResponseMessage(content=content, tool_calls=[c.openai() for c in calls], reasoning=thought,
+                                      reasoning_content=thought)
         return ChatChoice(index=d.index, message=message, logprobs=self._logprobs(d),
                           finish_reason=_tool_finish(d.finish_reason, bool(calls)), stop_reason=d.stop_reason)
 
@@ -616,17 +628,22 @@ class _ChatFormatter(_Formatter):
         return ChatCompletionChunk(**base, object=self.chunk_object, choices=choices, usage=usage)
 
     def _chunk_choice(self, d: Delta) -> ChatChunkChoice | None:
-        finish = d.finish_reason
+        finish, text, thought = d.finish_reason, d.text, ""
+        if self.reasoning_parser:
+            stream = self._thoughts.setdefault(d.index, ReasoningStream(self.reasoning_parser))
+            thought, text = stream.feed(d.text, finish is not None)
         if self.tools is None:
-            delta: dict[str, Any] = {"content": d.text}
+            delta: dict[str, Any] = {"content": text} if text or not thought else {}
         else:  # tool calls are held back until they parse: a step may have nothing to send
-            content, calls = self.tools.stream(d.index, d.text, d.finish_reason is not None)
+            content, calls = self.tools.stream(d.index, text, d.finish_reason is not None)
             delta = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = calls
-            if not delta and finish is None:
-                return None
             finish = _tool_finish(finish, self.tools.called(d.index))
+        if thought:
+            delta.update(reasoning=thought, reasoning_content=thought)
+        if not delta and finish is None and (self.tools or self.reasoning_parser):
+            return None
         return ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d), finish_reason=finish,
                                stop_reason=d.stop_reason)
 
@@ -647,8 +664,11 @@ class ServerOptions:
     chat_template: str | None = None  # replaces the model's (the text of a Jinja template)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse tool calls out of the text
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # server/reasoning.py: split a thinking model's <think> part off
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -722,10 +742,11 @@ class OpenAIServer:
         try:
             prompt = self.tokenizer.apply_chat_template(
                 [m.template_dict() for m in body.messages], chat_template=self.options.chat_template,
-                tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+                tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                **(body.chat_template_kwargs or {}))
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"messages: {e}", "messages") from None
-        formatter = _ChatFormatter(self._token_text, body.top_logprobs or 0, tools)
+        formatter = _ChatFormatter(self._token_text, body.top_logprobs or 0, tools, self.options.reasoning_parser)
         return await self._generate(request, _Generation(body, [prompt], params, formatter, "messages",
                                                          ignored_fields(body)))
 
