@@ -10,6 +10,8 @@ vLLM's parsers of the same names put the thought in the message's `reasoning` fi
 """
 from __future__ import annotations
 
+from minivllm.server.tools import held_back
+
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
@@ -53,15 +55,7 @@ class ReasoningStream:
             if end >= 0:
                 reasoning, text, self.closed = text[:end], text[end + len(END):], True
             else:
-                keep = 0 if finished else _partial_suffix(text, END)
+                keep = 0 if finished else held_back(text, END)
                 reasoning, self._held, text = text[:len(text) - keep], text[len(text) - keep:], ""
         content = text
         return reasoning, content
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (what must wait for the next delta)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

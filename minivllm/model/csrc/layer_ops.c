@@ -23,6 +23,25 @@
 
 #define PARALLEL_ROWS 16  /* fewer rows than this run on the calling thread */
 
+/* The MLP's gate activations, in float32. silu: exp of at most 88 (expf(-x) past float range is inf,
+ * which -ffast-math may turn to NaN). gelu_tanh: GELU's tanh approximation (gelu_pytorch_tanh). */
+static inline float silu(float x) { return x / (1.f + expf(fminf(-x, 88.f))); }
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+/* out = ACT(gate) * up from the fused gate_up output, the activation rounded to T as torch rounds it. */
+#define ACT_AND_MUL(S, T, LOAD, STORE, ACT)                                                                \
+void ACT##_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {                          \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++) {                                                                 \
+        const T *g = gate_up + t * 2 * inter, *u = g + inter;                                              \
+        T *o = out + t * inter;                                                                            \
+        _Pragma("omp simd")                                                                                \
+        for (int64_t i = 0; i < inter; i++) o[i] = STORE(round_##S(ACT(LOAD(g[i]))) * LOAD(u[i]));         \
+    }                                                                                                      \
+}
+
 #define DEFINE_OPS(S, T, LOAD, STORE)                                                                      \
 static inline float round_##S(float x) { return LOAD(STORE(x)); }                                          \
                                                                                                            \
@@ -88,33 +107,8 @@ void write_kv_##S(const T *k, int64_t k_stride, const T *v, int64_t v_stride, co
         }                                                                                                  \
 }                                                                                                          \
                                                                                                            \
-void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {                           \
-    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
-    for (int64_t t = 0; t < tokens; t++) {                                                                 \
-        const T *g = gate_up + t * 2 * inter, *u = g + inter;                                              \
-        T *o = out + t * inter;                                                                            \
-        _Pragma("omp simd")                                                                                \
-        for (int64_t i = 0; i < inter; i++) {                                                              \
-            const float x = LOAD(g[i]);                                                                    \
-            /* exp of at most 88: expf(-x) past float range is inf, which -ffast-math may turn to NaN */  \
-            o[i] = STORE(round_##S(x / (1.f + expf(fminf(-x, 88.f)))) * LOAD(u[i]));                      \
-        }                                                                                                  \
-    }                                                                                                      \
-}                                                                                                          \
-                                                                                                           \
-void gelu_tanh_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {                      \
-    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
-    for (int64_t t = 0; t < tokens; t++) {                                                                 \
-        const T *g = gate_up + t * 2 * inter, *u = g + inter;                                              \
-        T *o = out + t * inter;                                                                            \
-        _Pragma("omp simd")                                                                                \
-        for (int64_t i = 0; i < inter; i++) {                                                              \
-            const float x = LOAD(g[i]);                                                                    \
-            const float gelu = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))); \
-            o[i] = STORE(round_##S(gelu) * LOAD(u[i]));                                                    \
-        }                                                                                                  \
-    }                                                                                                      \
-}
+ACT_AND_MUL(S, T, LOAD, STORE, silu)                                                                       \
+ACT_AND_MUL(S, T, LOAD, STORE, gelu_tanh)
 
 DEFINE_OPS(bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_OPS(f32, float, f32_load, f32_store)
