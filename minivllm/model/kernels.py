@@ -309,7 +309,7 @@ def forward_layers(device: torch.device, dtype: torch.dtype):
 
 class LayerOps:
     """The fused per-layer ops of csrc/layer_ops.c for one dtype; each matches a torch fallback in
-    llama.py or attention.py. Rows must be contiguous along the last dimension."""
+    decoder.py or attention.py. Rows must be contiguous along the last dimension."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _DTYPE_SUFFIX[dtype]

@@ -5,7 +5,7 @@
  * of Python per layer to launch its dozen kernels (ctypes calls, torch views and allocations); over 30
  * layers the launches cost as much as the work. Here one call runs every layer: norms, the fused QKV
  * projection, rotary, the KV write, paged attention, the output projection, the MLP. Each step calls
- * exactly the functions of llama.py's native path with the same arguments, so the result is the same
+ * exactly the functions of decoder.py's native path with the same arguments, so the result is the same
  * bits (tests/test_native_forward.py checks it); the Python loop stays as the readable reference.
  * The KV pool's format (--kv-cache-dtype) picks the attention kernel and, for a quantized pool, the
  * KV write: the model description carries both, as kernels.py chose them.
