@@ -68,8 +68,3 @@ class ModelConfig:
         if self.local_rope_theta is not None and self.layer_window(layer) is not None:
             return ROPE_LOCAL
         return ROPE_GLOBAL
-
-    @property
-    def full_attention_everywhere(self) -> bool:
-        """No layer attends to a window only: the context is bounded by max_position_embeddings alone."""
-        return all(self.layer_window(i) is None for i in range(self.num_hidden_layers))
