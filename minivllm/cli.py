@@ -134,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = EngineConfig.from_cli_args(args, **({"model": args.model_tag} if args.model_tag else {}))
     options = ServerOptions(args.served_model_name or config.model or resolve_model_path(None).stem, args.api_key,
                             args.max_waiting_requests, load_chat_template(args.chat_template),
-                            args.enable_auto_tool_choice, args.tool_call_parser,
+                            args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser,
                             parse_lora_modules(args.lora_modules or []))
     if options.lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="run the engine on a thread of the server's process (default: its own process, so that "
                         "HTTP, tokenization and detokenization never hold up its steps)")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="put a thinking model's <think> part in the message's reasoning (and reasoning_content), "
+                        "the rest in content")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes), each on its own loopback port, behind one router here")
     add_router_args(p)

@@ -29,7 +29,7 @@ from minivllm.model import gguf_quants, kernels, quant
 from minivllm.model.attention import kv_cache_shapes
 from minivllm.model.kernels import CSRC, SOURCES, compile_flags
 from minivllm.model.kv_cache import KVCache, kv_format
-from minivllm.model.llama import RMSNorm
+from minivllm.model.decoder import RMSNorm
 from tests.test_kernels import _attend, reference
 from tests.test_quant import _k, _tensor
 
@@ -128,7 +128,7 @@ def _layer_op_cases(lib, dtype: torch.dtype, gen: torch.Generator) -> list[bytes
     return [_case(f"add_rms_norm {dtype}", RMS_NORM, dtype, [tokens, hidden], [*close, norm.eps],
                   [delta, residual, norm.weight.detach(), ref, x86]),
             _case(f"silu_and_mul {dtype}", SILU, dtype, [tokens, inter], list(silu_tol),
-                  [gate_up, silu_ref, ops.silu_and_mul(gate_up)])]
+                  [gate_up, silu_ref, ops.act_and_mul(gate_up)])]
 
 
 def build(target: str, out: Path) -> None:

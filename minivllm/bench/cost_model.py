@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from minivllm.engine.scheduler import SchedulerOutput
-from minivllm.model.loader import ModelConfig, load_checkpoint
+from minivllm.model.loader import load_checkpoint
+from minivllm.model.model_config import ModelConfig
 
 SPECS = Path(__file__).parent / "specs"
 

@@ -13,8 +13,8 @@ from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask
 from minivllm.model import quant
 from minivllm.model.kernels import attention_kernel, gemm, layer_ops, quant_gemm
 from minivllm.model.kv_cache import KVCache, allocate_kv_caches, kv_bytes_per_token, kv_format, quantize
-from minivllm.model.llama import RMSNorm, apply_rotary
-from minivllm.model.loader import ModelConfig
+from minivllm.model.decoder import RMSNorm, apply_rotary
+from minivllm.model.model_config import ModelConfig
 
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
 
@@ -164,7 +164,7 @@ def layer_op_timings(config: ModelConfig, rows: list[int]) -> list[KernelTiming]
         cases = [("add + RMSNorm", lambda: norm._norm(residual + x),
                   ops and (lambda: ops.add_rms_norm(x, residual.clone(), norm.weight, norm.eps))),
                  ("SiLU and mul", lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
-                  ops and (lambda: ops.silu_and_mul(gate_up))),
+                  ops and (lambda: ops.act_and_mul(gate_up))),
                  ("RoPE on q and k", lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
                   ops and (lambda: ops.rotary_(q, k, cos, sin)))]
         with torch.inference_mode():

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.model.kernels import read_stream
-from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import ModelConfig
+from minivllm.model.decoder import CausalLM
+from minivllm.model.model_config import ModelConfig
 
 DTYPES = ("bfloat16", "float32")
 
@@ -98,7 +98,7 @@ class Roofline:
 def model_gemms(config: ModelConfig) -> tuple[list[GemmShape], GemmShape]:
     """(the decoder layers' linear shapes with their counts, the lm_head), from the model code itself."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = CausalLM(config)
     counts: Counter[tuple[str, int, int]] = Counter()
     for name, module in model.layers.named_modules():
         if isinstance(module, torch.nn.Linear):

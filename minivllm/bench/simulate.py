@@ -28,7 +28,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.trace import StepTracer, run_record
-from minivllm.model.loader import ModelConfig
+from minivllm.model.model_config import ModelConfig
 from minivllm.model.sampler import SamplerOutput
 from minivllm.outputs import RequestMetrics
 from minivllm.router.policies import Router

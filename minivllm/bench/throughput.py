@@ -14,7 +14,7 @@ from minivllm.bench.hf_backend import HFGenerator
 from minivllm.bench.workloads import BenchRequest, build_workload
 from minivllm.config import EngineConfig
 from minivllm.llm import LLM
-from minivllm.model.loader import ModelConfig
+from minivllm.model.model_config import ModelConfig
 from minivllm.model.tokenizer import Tokenizer
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 

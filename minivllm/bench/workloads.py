@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
+from minivllm.model.loader import load_checkpoint, resolve_model_path
+from minivllm.model.model_config import ModelConfig
 from minivllm.model.tokenizer import Tokenizer, get_tokenizer
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.model.loader import ModelConfig
+from minivllm.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,24 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
                          f"{config.intermediate_size}")
 
 
+@dataclass(frozen=True)
+class TensorParallelShard:
+    """Rank `rank`'s part of the model, as model/loading.py builds (and caches) it."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def key(self) -> str:
+        return f"tp{self.rank}of{self.world_size}"
+
+    def config(self, full: ModelConfig) -> ModelConfig:
+        return shard_config(full, self.world_size)
+
+    def weights(self, weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        return shard_weights(weights, full, self.rank, self.world_size)
+
+
 def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
     """The config of one rank's model: its heads and its slice of the MLP; the rest unchanged."""
     check_divisible(config, world_size)
@@ -105,7 +123,7 @@ class RowParallel(nn.Module):
 def make_row_parallel(model: nn.Module, group) -> None:
     """Wrap every layer's o_proj and down_proj (the model file stays single-rank). The native layer
     loop (native_forward.py) runs all layers in one C call with no all_reduce between them, so a
-    rank runs llama.py's Python loop over the same kernels instead."""
+    rank runs decoder.py's Python loop over the same kernels instead."""
     model.native_forward = None
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)

@@ -13,10 +13,12 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.distributed.group import (TensorParallelError, TensorParallelGroup, backend_for, join,
                                         launched_by_torchrun, spawn_workers, torchrun_rank)
-from minivllm.distributed.sharding import check_divisible, make_row_parallel, shard_config, shard_weights
+from minivllm.distributed.sharding import TensorParallelShard, check_divisible, make_row_parallel
 from minivllm.engine.scheduler import SchedulerOutput
-from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import ModelConfig, load_checkpoint
+from minivllm.model.decoder import CausalLM
+from minivllm.model.loader import load_checkpoint
+from minivllm.model.loading import load_model
+from minivllm.model.model_config import ModelConfig
 from minivllm.model.runner import ModelRunner
 
 
@@ -49,18 +51,17 @@ class DriverRunner(ModelRunner):
 
 
 def load_shard(config: EngineConfig, path: Path, group: TensorParallelGroup,
-               device: torch.device) -> tuple[ModelConfig, LlamaForCausalLM]:
+               device: torch.device) -> tuple[ModelConfig, CausalLM]:
     """The whole model's config, and this rank's shard of the model (its config is the shard's)."""
-    dtype, n = config.torch_dtype, group.world_size
     quantization = config.weight_quantization(path.is_file())  # a GGUF's blocks are cut as they are
-    full, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
-    model = LlamaForCausalLM.from_weights(shard_config(full, n), shard_weights(weights, full, group.rank, n),
-                                          device, dtype, quantization)
+    # Not the per-process memo: make_row_parallel changes the model it gets.
+    full, model = load_model.__wrapped__(path, device, config.torch_dtype, quantization,
+                                         TensorParallelShard(group.rank, group.world_size))
     make_row_parallel(model, group)
     return full, model
 
 
-def start_tensor_parallel(config: EngineConfig, path: Path) -> tuple[ModelConfig, LlamaForCausalLM,
+def start_tensor_parallel(config: EngineConfig, path: Path) -> tuple[ModelConfig, CausalLM,
                                                                      TensorParallelGroup]:
     """Rank 0: join the group (spawning the workers, unless torchrun started them) and load its shard.
     On a worker rank that torchrun started, serve steps until rank 0 stops, then exit the process."""

@@ -6,51 +6,24 @@ module, so neither imports the other.
 """
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from minivllm.config import EngineConfig, parse_size
 from minivllm.engine.kv_tier import KVTier, make_kv_tier
-from minivllm.model import weight_cache
 from minivllm.model.kernels import layer_ops
 from minivllm.model.kernels import report as kernels_report
-from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import ModelConfig, load_checkpoint, resolve_model_path
+from minivllm.model.loader import resolve_model_path
+from minivllm.model.loading import load_model
+from minivllm.model.model_config import ModelConfig
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
 from minivllm.model.sampler import Sampler
 from minivllm.model.tokenizer import Tokenizer, get_tokenizer
 from minivllm.startup import timed
-
-
-@functools.lru_cache(maxsize=2)
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
-               ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Engines in one process (a benchmark comparing schedulers, a test suite) share read-only
-    weights: the KV cache and all state are per engine. Quantized weights, once packed, are cached
-    on disk and mapped at later starts (weight_cache.py)."""
-    cached = weight_cache.cache_file(path, device, dtype, quantization)
-    hit = weight_cache.load(cached) if cached is not None else None
-    if hit is not None:
-        model_config, state = hit
-        try:
-            return model_config, LlamaForCausalLM.from_state(model_config, state, device)
-        except (ValueError, KeyError, AttributeError, RuntimeError) as e:  # an entry this code cannot use
-            print(f"minivllm: the cached weights in {cached} do not fit this model ({e}); rebuilding",
-                  file=sys.stderr, flush=True)
-    if cached is not None:
-        print(f"minivllm: packing the weights once into {cached.parent} ...", file=sys.stderr, flush=True)
-    # Decoded straight into the model's dtype, or kept quantized.
-    model_config, weights = load_checkpoint(path, dtype, keep_quantized=quantization == "gguf")
-    model = LlamaForCausalLM.from_weights(model_config, weights, device, dtype, quantization)
-    if cached is not None:
-        weight_cache.save(cached, model_config, model.state())
-    return model_config, model
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -102,6 +75,9 @@ def load_parts(config: EngineConfig) -> ModelParts:
             from minivllm.distributed.worker import DriverRunner
 
             runner = DriverRunner(group, model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
+    loop = model.layer_loop() if runner.attention_kernel is not None else \
+        f"Python layer loop: no native attention kernel for head_dim {model_config.head_dim} on {device.type}/{dtype}"
+    print(f"minivllm: {model_config.architecture}: {loop}", file=sys.stderr, flush=True)
     kv_tier = None
     if config.kv_offloading:
         with timed(phases, "kv_tier"):  # indexes its directory, if any

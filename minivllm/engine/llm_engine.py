@@ -127,15 +127,6 @@ class LLMEngine:
         if self.config.max_model_len and self.config.max_model_len > capacity:
             raise ValueError(f"max_model_len {self.config.max_model_len} needs more KV cache than the "
                              f"{num_blocks} blocks x {self.config.block_size} tokens configured")
-        # Sliding-window attention is not implemented: within the window it is plain causal attention,
-        # so sequences are kept within it rather than silently attending past it.
-        window = self.model_config.sliding_window
-        if window and wanted > window:
-            if self.config.max_model_len:
-                raise ValueError(f"max_model_len {wanted} exceeds the model's sliding window of {window} tokens; "
-                                 "minivllm does not implement sliding-window attention, so at most "
-                                 f"max_model_len={window} is exact")
-            wanted = window
         return min(wanted, capacity)
 
     # -- requests -----------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ pool in place and treats each query by its context length alone: a token's outpu
 a prefill, a chunk after a cached prefix or a decode (batch invariance, kernels.py). The torch twin
 batches the decodes for scaled_dot_product_attention over gathered blocks and runs each prefill chunk
 on its own (a fresh prompt attends to its own K/V directly; a later chunk reads its context from the
-cache); it is not batch-invariant. With a quantized cache it attends to what the pool gives back
+cache); it is not batch-invariant. A sliding window (a query at position p sees positions > p - window,
+as transformers masks it) and Gemma 2's logit softcap (scores -> cap * tanh(scores / cap) before the
+softmax) are per layer, in both paths. With a quantized cache it attends to what the pool gives back
 (kv_cache.round_trip), as the native kernel does, so both see the same K/V. Padding tokens (static batching) attend to nothing: output zero.
 """
 from __future__ import annotations
@@ -70,9 +72,11 @@ def decode_mask(context_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float, ops: LayerOps | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, ops: LayerOps | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; `cache` this layer's pool.
-    Returns [T, heads, head_dim]. `ops`: the native CPU ops, for the cache write."""
+    Returns [T, heads, head_dim]. `ops`: the native CPU ops, for the cache write; `window`: the layer's
+    sliding window, if any; `softcap`: its attention logit softcap, if any."""
     n = meta.num_real_tokens
     if ops is not None:
         ops.write_kv(k, v, meta.slot_blocks, meta.slot_offsets, cache)
@@ -81,15 +85,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
     if meta.kernel is not None:
         paged_attention_native(meta.kernel, q, cache, meta.block_tables, meta.span_starts,
-                               meta.span_lens, meta.span_ctx0, scale, out)
+                               meta.span_lens, meta.span_ctx0, scale, out, window, softcap)
         return out
 
     d = meta.num_decodes
     if d:
         keys, values = _gather(cache, meta.block_tables[:d], q.dtype)  # [d, kv_heads, ctx, head_dim]
-        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=True)
-        out[:d] = o.squeeze(2)
+        mask = meta.decode_mask
+        if window is not None:  # the query is at position ctx - 1
+            first = (meta.span_ctx0[:d] - window)[:, None, None, None]
+            mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= first)
+        out[:d] = _attend(q[:d].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
     for p in meta.prefills:
         end = p.start + p.num_tokens
         query = q[p.start:end].transpose(0, 1).unsqueeze(0)
@@ -98,10 +104,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
             values = round_trip(v[p.start:end], cache.fmt).transpose(0, 1).unsqueeze(0)
         else:
             keys, values = _gather(cache, p.block_table[None], q.dtype, p.context_len)
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, is_causal=p.mask is None,
-                                           scale=scale, enable_gqa=True)
-        out[p.start:end] = o[0].transpose(0, 1)
+        mask = p.mask
+        if mask is None and (window is not None or softcap is not None):
+            mask = torch.ones(p.num_tokens, p.num_tokens, dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            q_pos = torch.arange(p.context_len - p.num_tokens, p.context_len, device=q.device)[:, None]
+            mask = mask & (torch.arange(p.context_len, device=q.device)[None, :] > q_pos - window)
+        out[p.start:end] = _attend(query, keys, values, mask, scale, softcap)[0].transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """q [b, heads, n, d], k and v [b, kv_heads, m, d]; mask (True: attend) broadcast to [b, heads, n, m],
+    None: causal. scaled_dot_product_attention, or with a softcap the same written out (in float32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    scores = (q.float() @ k.transpose(-1, -2)) * scale
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).to(q.dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, cache: KVCache) -> None:

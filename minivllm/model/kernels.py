@@ -35,6 +35,7 @@ import torch
 
 from minivllm.config import cache_dir
 from minivllm.model.kv_cache import KVCache, KVFormat, kv_format
+from minivllm.model.model_config import ACTIVATIONS
 from minivllm.model.quant import QuantizedWeight, Segment
 
 CSRC = Path(__file__).parent / "csrc"
@@ -114,7 +115,7 @@ def library(arch: str) -> ctypes.CDLL | None:
         for kv in ("", *(f"_{name}" for name in _QUANTIZED_KV)):
             getattr(lib, f"paged_attention_{suffix}{kv}").argtypes = [
                 _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-                ctypes.c_float, _PTR]
+                ctypes.c_float, _I64, ctypes.c_float, _PTR]
         for kv in _QUANTIZED_KV:
             getattr(lib, f"write_kv_{suffix}_{kv}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                                 _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float,
@@ -122,10 +123,12 @@ def library(arch: str) -> ctypes.CDLL | None:
         if hasattr(lib, f"gemm_{suffix}"):  # where simd.h has a section for the target
             getattr(lib, f"gemm_{suffix}").argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
         getattr(lib, f"add_rms_norm_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
-        getattr(lib, f"rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64]
+        getattr(lib, f"rotary_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
+        getattr(lib, f"head_rms_norm_{suffix}").argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_float]
         getattr(lib, f"write_kv_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                        _I64, _PTR, _PTR]
-        getattr(lib, f"silu_and_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
+        for act in ACTIVATIONS:
+            getattr(lib, f"{act}_and_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64]
     if hasattr(lib, "pack_panels"):
         lib.pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
     lib.read_stream.argtypes, lib.read_stream.restype = [_PTR, _I64], ctypes.c_uint64
@@ -194,19 +197,22 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, gr
 
 def paged_attention_native(kernel, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
                            span_starts: torch.Tensor, span_lens: torch.Tensor, span_ctx0: torch.Tensor,
-                           scale: float, out: torch.Tensor) -> None:
+                           scale: float, out: torch.Tensor, window: int | None = None,
+                           softcap: float | None = None) -> None:
     """Attention for every query row that a span covers, written into `out` ([T, heads, head_dim],
     contiguous); other rows are left as they are. q: [T, heads, head_dim], each row's heads contiguous (a
     view into the fused qkv output is fine); `cache` in the format the kernel was chosen for; block_tables [spans,
     max_blocks] int64; span i covers rows span_starts[i] .. + span_lens[i], whose first query sees
-    span_ctx0[i] tokens (itself included) and each next one a token more."""
+    span_ctx0[i] tokens (itself included) and each next one a token more; with a `window`, only its last
+    `window` of them; with a `softcap`, scores capped as cap * tanh(score / cap)."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_scale, v_scale = (None, None) if cache.k_scale is None else (cache.k_scale.data_ptr(), cache.v_scale.data_ptr())
     kernel(q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), k_scale, v_scale, block_tables.data_ptr(),
            block_tables.shape[1], span_starts.data_ptr(), span_lens.data_ptr(), span_ctx0.data_ptr(),
-           span_starts.shape[0], num_heads, cache.k.shape[1], head_dim, cache.k.shape[3], scale, out.data_ptr())
+           span_starts.shape[0], num_heads, cache.k.shape[1], head_dim, cache.k.shape[3], scale, window or 0,
+           softcap or 0.0, out.data_ptr())
 
 
 PANEL = 32  # csrc/gemm.c: output columns per packed panel
@@ -314,15 +320,16 @@ def lora_kernel(device: torch.device, dtype: torch.dtype):
 
 class LayerOps:
     """The fused per-layer ops of csrc/layer_ops.c for one dtype; each matches a torch fallback in
-    llama.py or attention.py. Rows must be contiguous along the last dimension."""
+    decoder.py or attention.py. Rows must be contiguous along the last dimension."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _DTYPE_SUFFIX[dtype]
         self._lib, self._suffix = lib, suffix
         self._add_rms_norm = getattr(lib, f"add_rms_norm_{suffix}")
         self._rotary = getattr(lib, f"rotary_{suffix}")
+        self._head_rms_norm = getattr(lib, f"head_rms_norm_{suffix}")
         self._write_kv = getattr(lib, f"write_kv_{suffix}")
-        self._silu_and_mul = getattr(lib, f"silu_and_mul_{suffix}")
+        self._act_and_mul = {act: getattr(lib, f"{act}_and_mul_{suffix}") for act in ACTIVATIONS}
 
     def add_rms_norm(self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -332,11 +339,15 @@ class LayerOps:
                            out.data_ptr(), residual.shape[0], residual.shape[1], eps)
         return out
 
+    def head_rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm of each head of x [T, heads, head_dim] in place (a view into the fused qkv output is fine)."""
+        self._head_rms_norm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], weight.data_ptr(), eps)
+
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place (views into the fused
-        qkv output are fine). cos, sin: float32 [T, head_dim / 2]."""
+        qkv output are fine). cos, sin: float32 [T, rotary_dim / 2] (rotary_dim < head_dim: partial rotary)."""
         self._rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
-                     q.shape[0], q.shape[1], k.shape[1], q.shape[2])
+                     q.shape[0], q.shape[1], k.shape[1], q.shape[2], 2 * cos.shape[1])
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
                  cache: KVCache) -> None:
@@ -356,9 +367,10 @@ class LayerOps:
         """csrc/layer_ops.c's write_kv into a pool of this quantized format."""
         return getattr(self._lib, f"write_kv_{self._suffix}_{fmt.name}")
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """act(gate) * up from the fused gate_up output; act one of model_config.ACTIVATIONS."""
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1])
+        self._act_and_mul[act](gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1])
         return out
 
 

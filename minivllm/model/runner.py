@@ -12,8 +12,8 @@ from minivllm.engine.sequence import Sequence
 from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes
 from minivllm.model.kernels import attention_kernel
 from minivllm.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, kv_format
-from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import ModelConfig
+from minivllm.model.decoder import CausalLM
+from minivllm.model.model_config import ModelConfig
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -23,7 +23,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_size = block_size

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.config import cache_dir
-from minivllm.model.loader import ModelConfig, checkpoint_digest, model_files_dir
+from minivllm.model.loader import checkpoint_digest, model_files_dir
+from minivllm.model.model_config import ModelConfig
 
 # Bump when what minivllm saves for a converted tokenizer changes.
 TOKENIZER_CACHE_VERSION = 2
@@ -65,15 +66,18 @@ class Tokenizer:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            **template_kwargs: Any) -> str:
         """The prompt of a conversation, by the model's template or `chat_template` (which may render
         `tools`: OpenAI tool definitions), rendered as transformers renders it (tests/test_startup.py
-        compares them) but without importing it: a second of every server start."""
+        compares them) but without importing it: a second of every server start. `template_kwargs`: the
+        template's own variables (a request's chat_template_kwargs, e.g. enable_thinking=False)."""
         template = chat_template or self.chat_template
         if not template:
             raise ValueError("this model has no chat template; use completions instead")
-        return _compile_template(template).render(messages=messages, tools=tools,
-                                                  add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        variables = {**self.special_tokens, **template_kwargs}
+        return _compile_template(template).render(**variables, messages=messages, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt)
 
     @functools.cached_property
     def chat_template(self) -> str | None:
@@ -160,7 +164,7 @@ def gguf_tokenizer_files(path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:  # write aside, then rename: a reader never sees half a directory
-        _auto_tokenizer(*model_files_dir(path)).save_pretrained(tmp)
+        _gguf_auto_tokenizer(path, tmp).save_pretrained(tmp)
         tmp.rename(target)
     except OSError:
         if not (target / "tokenizer.json").is_file():  # not another process winning the race
@@ -168,6 +172,35 @@ def gguf_tokenizer_files(path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _gguf_auto_tokenizer(path: Path, scratch: Path) -> Any:
+    """transformers' tokenizer of a GGUF file. transformers converts the tokenizers of the architectures
+    it knows only (not SmolLM3's or Granite's, say), yet a GGUF tokenizer does not depend on the
+    architecture: for another one, its tokenizer.* fields are copied into a vocabulary-only file that
+    says "llama", and that one is converted."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from minivllm.model.gguf_file import GGUFFile
+
+    if GGUFFile(path).get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES:
+        return _auto_tokenizer(*model_files_dir(path))
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    vocab = scratch / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(vocab), "llama")
+    for name, f in reader.fields.items():
+        if name.startswith("tokenizer."):
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    try:
+        return _auto_tokenizer(scratch, vocab.name)
+    finally:
+        vocab.unlink()
 
 
 class IncrementalDetokenizer:

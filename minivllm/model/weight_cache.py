@@ -28,29 +28,30 @@ from pathlib import Path
 import torch
 
 from minivllm.config import cache_dir
-from minivllm.model.loader import ModelConfig, checkpoint_digest
+from minivllm.model.loader import checkpoint_digest
+from minivllm.model.model_config import ModelConfig
 from minivllm.model.quant import QuantizedWeight, Segment, layout_key
 
-CACHE_VERSION = 2  # bump when what is saved changes
+CACHE_VERSION = 3  # bump when what is saved changes (3: the model families' config switches)
 KEEP_ENTRIES = 6  # the newest entries kept (a model in two dtypes and a few quantizations)
 _ALIGN = 64
 
 State = dict[str, "torch.Tensor | QuantizedWeight"]
 
 
-def cache_file(path: Path, device: torch.device, dtype: torch.dtype, quantization: str) -> Path | None:
-    """Where this model's built weights are cached, or None where there is nothing worth caching: only
-    quantized weights cost time to build, packed on the CPU (float weights are mapped from the checkpoint
-    already; CUDA dequantizes)."""
+def cache_file(path: Path, device: torch.device, dtype: torch.dtype, quantization: str, shard: str = "") -> Path | None:
+    """Where this model's built weights (or one tensor-parallel rank's shard of them, named by `shard`)
+    are cached, or None where there is nothing worth caching: only quantized weights cost time to build,
+    packed on the CPU (float weights are mapped from the checkpoint already; CUDA dequantizes)."""
     if quantization == "none" or device.type != "cpu":
         return None
     key = "-".join([checkpoint_digest(path)[:24], str(dtype).removeprefix("torch."), quantization,
-                    layout_key(), f"v{CACHE_VERSION}"])
+                    layout_key(), *([shard] if shard else []), f"v{CACHE_VERSION}"])
     return cache_dir() / "weights" / f"{key}.bin"
 
 
 def load(file: Path) -> tuple[ModelConfig, State] | None:
-    """The config and tensors saved in `file`, mapped in place; None if it is missing, cut short or
+    """The whole model's config and the tensors saved in `file`, mapped in place; None if it is missing, cut short or
     of another version."""
     try:
         with open(file, "rb") as f:

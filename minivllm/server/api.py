@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 import jinja2
 import uvicorn
@@ -48,6 +48,7 @@ from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                       DetokenizeRequest, GenerationRequest, NamedToolChoice, TokenizeRequest,
                                       ToolDefinition, engine_error, ignored_fields, parse_request)
+from minivllm.server.reasoning import REASONING_PARSERS
 from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput
 from minivllm.startup import phases_text, process_age
 
@@ -70,9 +71,12 @@ class ServerOptions:
     chat_template: str | None = None  # replaces the model's (the text of a Jinja template)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse tool calls out of the text
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # server/reasoning.py: split a thinking model's <think> part off
     lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters loaded at start (--lora-modules)
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -172,17 +176,19 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                       await self._structured(body))
-        prompt = self._chat_prompt(body.messages, True, body.tools)
-        formatter = ChatFormatter(self._token_text, body.top_logprobs or 0, tools)
+        prompt = self._chat_prompt(body.messages, True, body.tools, body.chat_template_kwargs)
+        formatter = ChatFormatter(self._token_text, body.top_logprobs or 0, tools, self.options.reasoning_parser)
         return await self._generate(request, _Generation(body, [prompt], params, formatter, "messages",
                                                          ignored_fields(body), received, lora))
 
     def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     tools: list[ToolDefinition] | None = None) -> str:
+                     tools: list[ToolDefinition] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 [m.template_dict() for m in messages], add_generation_prompt, self.options.chat_template,
-                [t.model_dump(exclude_none=True) for t in tools] if tools else None)
+                [t.model_dump(exclude_none=True) for t in tools] if tools else None, **(template_kwargs or {}))
+        except TypeError as e:  # a chat_template_kwargs key that names one of the template's own arguments
+            raise APIError(400, f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"messages: {e}", "messages") from None
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from minivllm.engine.async_engine import EngineDeadError, RequestStream
 from minivllm.outputs import RequestMetrics, RequestOutput
 from minivllm.server.protocol import APIError
+from minivllm.server.reasoning import ReasoningStream, split_reasoning
 from minivllm.server.tools import ToolCallOutput
 
 
@@ -63,6 +64,8 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning: str | None = None  # with --reasoning-parser: the thought (vLLM's field) ...
+    reasoning_content: str | None = None  # ... and the same under DeepSeek's name
 
 
 class ChatChoice(BaseModel):
@@ -246,9 +249,11 @@ class ChatFormatter(Formatter):
     id_prefix = "chatcmpl"
 
     def __init__(self, token_text: Callable[[int], str], top_logprobs: int | None,
-                 tools: ToolCallOutput | None = None) -> None:
+                 tools: ToolCallOutput | None = None, reasoning_parser: str | None = None) -> None:
         super().__init__(token_text, top_logprobs)
         self.tools = tools  # None: the text is all content
+        self.reasoning_parser = reasoning_parser  # None: no thought is split off
+        self._thoughts: dict[int, ReasoningStream] = {}
 
     def _logprobs(self, d: Delta) -> ChatLogprobs | None:
         if d.logprobs is None:
@@ -267,8 +272,10 @@ class ChatFormatter(Formatter):
                                       choices=[self._choice(d) for d in choices])
 
     def _choice(self, d: Delta) -> ChatChoice:
-        content, calls = self.tools.whole(d.text) if self.tools else (d.text, [])
-        message = ChatResponseMessage(content=content, tool_calls=[c.openai() for c in calls])
+        thought, text = split_reasoning(self.reasoning_parser, d.text) if self.reasoning_parser else (None, d.text)
+        content, calls = self.tools.whole(text or "") if self.tools else (text, [])
+        message = ChatResponseMessage(content=content, tool_calls=[c.openai() for c in calls], reasoning=thought,
+                                      reasoning_content=thought)
         return ChatChoice(index=d.index, message=message, logprobs=self._logprobs(d),
                           finish_reason=_tool_finish(d.finish_reason, bool(calls)), stop_reason=d.stop_reason)
 
@@ -284,17 +291,22 @@ class ChatFormatter(Formatter):
         return ChatCompletionChunk(**base, object=self.chunk_object, choices=choices, usage=usage)
 
     def _chunk_choice(self, d: Delta) -> ChatChunkChoice | None:
-        finish = d.finish_reason
+        finish, text, thought = d.finish_reason, d.text, ""
+        if self.reasoning_parser:
+            stream = self._thoughts.setdefault(d.index, ReasoningStream(self.reasoning_parser))
+            thought, text = stream.feed(d.text, finish is not None)
         if self.tools is None:
-            delta: dict[str, Any] = {"content": d.text}
+            delta: dict[str, Any] = {"content": text} if text or not thought else {}
         else:  # tool calls are held back until they parse: a step may have nothing to send
-            content, calls = self.tools.stream(d.index, d.text, d.finish_reason is not None)
+            content, calls = self.tools.stream(d.index, text, d.finish_reason is not None)
             delta = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = calls
-            if not delta and finish is None:
-                return None
             finish = _tool_finish(finish, self.tools.called(d.index))
+        if thought:
+            delta.update(reasoning=thought, reasoning_content=thought)
+        if not delta and finish is None and (self.tools or self.reasoning_parser):
+            return None
         return ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d), finish_reason=finish,
                                stop_reason=d.stop_reason)
 

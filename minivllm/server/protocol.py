@@ -225,6 +225,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls (its content may be empty)
     tool_call_id: str | None = None  # a tool result: the call it answers
+    reasoning: str | None = None  # an assistant's earlier thought, as a reasoning parser returned it
+    reasoning_content: str | None = None  # the same under DeepSeek's name
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
@@ -243,6 +245,8 @@ class ChatMessage(_Strict):
                                for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if (thought := self.reasoning_content or self.reasoning) is not None:
+            d["reasoning_content"] = thought  # the name thinking models' templates read
         return d
 
 
@@ -296,6 +300,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # several calls may come back either way
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the template, e.g. {"enable_thinking": false}
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:

@@ -109,7 +109,7 @@ class HermesStream:
             at = self.buffer.find(_START)
             if at < 0:
                 # Hold back a tail that may be the start of "<tool_call>".
-                keep = 0 if finished else _held_back(self.buffer, _START)
+                keep = 0 if finished else held_back(self.buffer, _START)
                 content, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                 return content, []
             content, self.buffer, self.in_calls = self.buffer[:at], self.buffer[at:], True
@@ -126,7 +126,7 @@ class HermesStream:
         return content, parsed
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many trailing characters of `text` are a proper prefix of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

@@ -3,10 +3,13 @@
  * At a few tokens per step each torch op costs more in dispatch than in arithmetic, and a decoder
  * layer has dozens of them. Each kernel here does one layer's worth in one call:
  *   add_rms_norm   residual += delta (if any); out = RMSNorm(residual) * weight
- *   rotary         rotate q and k in place (NeoX halves), from float32 cos/sin tables
+ *   head_rms_norm  RMSNorm of each head of q or k in place (Qwen3's and Gemma 3's q/k norms)
+ *   rotary         rotate q and k in place (NeoX halves of the first rot_dim of each head: partial
+ *                  rotary where rot_dim < head_dim), from float32 cos/sin tables
  *   write_kv       copy the new tokens' K and V into their pool slots (layout: attention.py), or
  *                  quantize them into a quantized pool with one scale per token and kv head (kv_cache.py)
  *   silu_and_mul   out = silu(gate) * up, from the fused gate_up output
+ *   gelu_tanh_and_mul  the same with GELU's tanh approximation (Gemma's GeGLU)
  * Intermediate results are rounded to the model's dtype exactly where the torch code rounds them
  * (round_bf16), so that the native and torch paths give the same numbers up to the order of sums.
  * Rows are split across OpenMP threads only when there are enough of them to pay for the fork.
@@ -19,6 +22,25 @@
 #include "kv_quant.h"
 
 #define PARALLEL_ROWS 16  /* fewer rows than this run on the calling thread */
+
+/* The MLP's gate activations, in float32. silu: exp of at most 88 (expf(-x) past float range is inf,
+ * which -ffast-math may turn to NaN). gelu_tanh: GELU's tanh approximation (gelu_pytorch_tanh). */
+static inline float silu(float x) { return x / (1.f + expf(fminf(-x, 88.f))); }
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+/* out = ACT(gate) * up from the fused gate_up output, the activation rounded to T as torch rounds it. */
+#define ACT_AND_MUL(S, T, LOAD, STORE, ACT)                                                                \
+void ACT##_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {                          \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++) {                                                                 \
+        const T *g = gate_up + t * 2 * inter, *u = g + inter;                                              \
+        T *o = out + t * inter;                                                                            \
+        _Pragma("omp simd")                                                                                \
+        for (int64_t i = 0; i < inter; i++) o[i] = STORE(round_##S(ACT(LOAD(g[i]))) * LOAD(u[i]));         \
+    }                                                                                                      \
+}
 
 #define DEFINE_OPS(S, T, LOAD, STORE)                                                                      \
 static inline float round_##S(float x) { return LOAD(STORE(x)); }                                          \
@@ -40,9 +62,22 @@ void add_rms_norm_##S(const T *delta, T *residual, const T *weight, T *out, int6
     }                                                                                                      \
 }                                                                                                          \
                                                                                                            \
+void head_rms_norm_##S(T *x, int64_t stride, int64_t tokens, int64_t heads, int64_t head_dim, const T *weight, \
+                       float eps) {                                                                        \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++)                                                                   \
+        for (int64_t h = 0; h < heads; h++) {                                                              \
+            T *r = x + t * stride + h * head_dim;                                                          \
+            float sum = 0.f;                                                                               \
+            for (int64_t i = 0; i < head_dim; i++) { const float v = LOAD(r[i]); sum += v * v; }           \
+            const float inv = 1.f / sqrtf(sum / head_dim + eps);                                           \
+            for (int64_t i = 0; i < head_dim; i++) r[i] = STORE(round_##S(LOAD(r[i]) * inv) * LOAD(weight[i])); \
+        }                                                                                                  \
+}                                                                                                          \
+                                                                                                           \
 void rotary_##S(T *q, int64_t q_stride, T *k, int64_t k_stride, const float *cos, const float *sin,       \
-                int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim) {                      \
-    const int64_t half = head_dim / 2;                                                                     \
+                int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rot_dim) {     \
+    const int64_t half = rot_dim / 2;                                                                      \
     _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
     for (int64_t t = 0; t < tokens; t++) {                                                                 \
         const float *c = cos + t * half, *s = sin + t * half;                                              \
@@ -72,19 +107,8 @@ void write_kv_##S(const T *k, int64_t k_stride, const T *v, int64_t v_stride, co
         }                                                                                                  \
 }                                                                                                          \
                                                                                                            \
-void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {                           \
-    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
-    for (int64_t t = 0; t < tokens; t++) {                                                                 \
-        const T *g = gate_up + t * 2 * inter, *u = g + inter;                                              \
-        T *o = out + t * inter;                                                                            \
-        _Pragma("omp simd")                                                                                \
-        for (int64_t i = 0; i < inter; i++) {                                                              \
-            const float x = LOAD(g[i]);                                                                    \
-            /* exp of at most 88: expf(-x) past float range is inf, which -ffast-math may turn to NaN */  \
-            o[i] = STORE(round_##S(x / (1.f + expf(fminf(-x, 88.f)))) * LOAD(u[i]));                      \
-        }                                                                                                  \
-    }                                                                                                      \
-}
+ACT_AND_MUL(S, T, LOAD, STORE, silu)                                                                       \
+ACT_AND_MUL(S, T, LOAD, STORE, gelu_tanh)
 
 DEFINE_OPS(bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_OPS(f32, float, f32_load, f32_store)

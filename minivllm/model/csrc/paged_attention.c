@@ -23,6 +23,11 @@
  * token where that is cheapest: a K scale multiplies the token's score, a V scale its softmax weight.
  * Each query still depends on its own context alone.
  *
+ * A sliding window (Gemma, Mistral, Phi-3) narrows a query's context to its last `window` tokens: the
+ * blocks before the window are skipped and the softmax runs over the window alone; a logit softcap
+ * (Gemma 2) maps each score to cap * tanh(score / cap) before it. Both are per layer and, like the
+ * rest, a function of the query's own context only.
+ *
  * Built at first use with the system's C compiler (kernels.py), with -ffast-math for vectorized expf.
  * Reductions whose vector split could depend on a buffer's address (the softmax sum) run over rows
  * that are 64-byte aligned and padded to 16 floats, so the compiler's code takes the same path for
@@ -87,11 +92,17 @@ static inline void prefetch_tile(const void *tile, int64_t bytes) {
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-/* The softmax of one query head's scores over its `ctx` tokens, in place. The row is padded with
- * MASKED to `padded` (a multiple of SCORE_ALIGN, set by ctx alone) and 64-byte aligned. */
-static inline void softmax_row(float *restrict sc, int64_t ctx, int64_t padded) {
-    float m = sc[0], sum = 0.f;
-    for (int64_t t = 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
+/* The first token a query with `ctx` tokens of context sees: ctx - window under a sliding window (the
+ * query itself and the window - 1 before it, as transformers masks), else 0. window 0: none. */
+static inline int64_t first_visible(int64_t ctx, int64_t window) { return window && ctx > window ? ctx - window : 0; }
+
+/* The softmax of one query head's scores over its tokens lo .. ctx - 1, in place. The row is MASKED
+ * before lo (a sliding window's start; the scores there may never have been computed) and from ctx to
+ * `padded` (a multiple of SCORE_ALIGN, set by ctx alone); it is 64-byte aligned. */
+static inline void softmax_row(float *restrict sc, int64_t lo, int64_t ctx, int64_t padded) {
+    float m = sc[lo], sum = 0.f;
+    for (int64_t t = lo + 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
+    for (int64_t t = 0; t < lo; t++) sc[t] = MASKED;
     for (int64_t t = ctx; t < padded; t++) sc[t] = MASKED;
     sc = __builtin_assume_aligned(sc, 64);
     _Pragma("omp simd reduction(+:sum) aligned(sc:64)")
@@ -111,17 +122,20 @@ static inline __attribute__((always_inline)) void NAME(                         
         const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, const float *k_scale,             \
         const float *v_scale, int64_t scale_tile, const int64_t *table, int64_t ctx0,                       \
         int64_t nq, int64_t group, int64_t head_dim, int64_t block_size, int64_t tile, float scale,         \
-        T *out, int64_t out_stride, float *scores, int64_t row) {                                          \
+        T *out, int64_t out_stride, float *scores, int64_t row, int64_t window, float softcap) {           \
     float qf[Q_TILE][MAX_GROUP][MAX_HEAD_DIM], acc[Q_TILE][MAX_GROUP][MAX_HEAD_DIM];                              \
     tile_t tile_buf;                                                                                       \
     const float *kv = tile_buf.f;                                                                          \
     const int64_t ctx_max = ctx0 + nq - 1, num_blocks = (ctx_max + block_size - 1) / block_size;          \
+    /* With a sliding window, query j sees tokens first(j) .. ctx0 + j - 1: blocks before the tile's     \
+     * first visible token are never read. */                                                          \
+    const int64_t b0 = first_visible(ctx0, window) / block_size;                                           \
     for (int64_t j = 0; j < nq; j++)                                                                       \
         for (int64_t g = 0; g < group; g++)                                                                \
             for (int64_t d = 0; d < head_dim; d++) qf[j][g][d] = LOAD(q[j * q_stride + g * head_dim + d]) * scale; \
-    for (int64_t b = 0; b < PREFETCH_BLOCKS && b < num_blocks; b++)                                        \
+    for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS && b < num_blocks; b++)                                  \
         prefetch_tile(k_cache + table[b] * tile, head_dim * block_size * sizeof(C));                       \
-    for (int64_t b = 0; b < num_blocks; b++) {  /* scores: s[t] += q[d] * K[d][t] */                     \
+    for (int64_t b = b0; b < num_blocks; b++) {  /* scores: s[t] += q[d] * K[d][t] */                    \
         const C *k = k_cache + table[b] * tile;                                                            \
         const float *ks = SCALED ? k_scale + table[b] * scale_tile : NULL;                                 \
         if (b + PREFETCH_BLOCKS < num_blocks) {                                                            \
@@ -133,6 +147,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         TILE(k, &tile_buf, head_dim * block_size);                                                         \
         for (int64_t j = 0; j < nq; j++) {                                                                 \
             if (b * block_size >= ctx0 + j) continue;  /* this query's context ends before the block */   \
+            if ((b + 1) * block_size <= first_visible(ctx0 + j, window)) continue;  /* or its window starts after */ \
             for (int64_t g = 0; g < group; g++) {                                                          \
                 /* CHAINS partial sums (d mod CHAINS) keep that many FMAs in flight instead of one chain. */ \
                 float s[CHAINS][MAX_BLOCK_SIZE] = {{0}};                                                   \
@@ -146,25 +161,27 @@ static inline __attribute__((always_inline)) void NAME(                         
                 _Pragma("omp simd")                                                                        \
                 for (int64_t t = 0; t < block_size; t++) {                                                 \
                     const float sum = s[0][t] + s[1][t] + s[2][t] + s[3][t];                               \
-                    dst[t] = SCALED ? sum * ks[t] : sum;  /* the token's K scale */                        \
+                    const float score = SCALED ? sum * ks[t] : sum;  /* the token's K scale */             \
+                    dst[t] = softcap > 0.f ? softcap * tanhf(score / softcap) : score;                     \
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
     for (int64_t j = 0; j < nq; j++)                                                                       \
         for (int64_t g = 0; g < group; g++)                                                                \
-            softmax_row(scores + (j * group + g) * row, ctx0 + j, round_up(ctx0 + j, SCORE_ALIGN));        \
+            softmax_row(scores + (j * group + g) * row, first_visible(ctx0 + j, window), ctx0 + j,         \
+                        round_up(ctx0 + j, SCORE_ALIGN));                                                  \
     for (int64_t j = 0; j < nq; j++)                                                                       \
         for (int64_t g = 0; g < group; g++)                                                                \
             for (int64_t d = 0; d < head_dim; d++) acc[j][g][d] = 0.f;                                     \
-    for (int64_t b = 0; b < num_blocks; b++) {  /* acc[d] += p[t] * V[t][d] */                           \
+    for (int64_t b = b0; b < num_blocks; b++) {  /* acc[d] += p[t] * V[t][d] */                          \
         const C *v = v_cache + table[b] * tile;                                                            \
         const float *vs = SCALED ? v_scale + table[b] * scale_tile : NULL;                                 \
         const int64_t rows = ctx_max - b * block_size < block_size ? ctx_max - b * block_size : block_size; \
         TILE(v, &tile_buf, rows * head_dim);                                                               \
         for (int64_t j = 0; j < nq; j++) {                                                                 \
             const int64_t ctx = ctx0 + j;                                                                  \
-            if (b * block_size >= ctx) continue;                                                           \
+            if (b * block_size >= ctx || (b + 1) * block_size <= first_visible(ctx, window)) continue;     \
             const int64_t n = ctx - b * block_size < block_size ? ctx - b * block_size : block_size;       \
             for (int64_t g = 0; g < group; g++) {                                                          \
                 const float *p = scores + (j * group + g) * row + b * block_size;                          \
@@ -204,7 +221,7 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
           const float *v_scale, const int64_t *block_tables,                                                \
           int64_t max_blocks, const int64_t *span_start, const int64_t *span_len, const int64_t *span_ctx0, \
           int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, \
-          float scale, T *out) {                                                                           \
+          float scale, int64_t window, float softcap, T *out) {                                            \
     const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;                     \
     const int64_t tile = num_kv_heads * head_tile, out_stride = num_heads * head_dim;                      \
     const int64_t scale_tile = num_kv_heads * block_size;                                                  \
@@ -232,12 +249,12 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
             const int64_t *table = block_tables + s * max_blocks;                                          \
             /* Literal sizes for the common shapes let the compiler unroll and keep tiles in registers. */ \
             if (head_dim == 64 && block_size == 16)                                                        \
-                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 64, 16, tile, scale, oh, out_stride, scores, row); \
+                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 64, 16, tile, scale, oh, out_stride, scores, row, window, softcap); \
             else if (head_dim == 128 && block_size == 16)                                                  \
-                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 128, 16, tile, scale, oh, out_stride, scores, row); \
+                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 128, 16, tile, scale, oh, out_stride, scores, row, window, softcap); \
             else                                                                                           \
                 NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, head_dim, block_size, tile, scale, oh, \
-                            out_stride, scores, row);                                                      \
+                            out_stride, scores, row, window, softcap);                                                      \
             free(scores);                                                                                  \
         }                                                                                                  \
     free(tasks);                                                                                           \

@@ -1,8 +1,12 @@
-"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3), written for packed batches.
+"""The one configurable decoder every family runs (registry.py), written for packed batches.
 
 Every forward takes a flat batch of tokens from many sequences (no padding, no batch dimension) and
 attends through the paged KV cache. Q/K/V and gate/up projections are fused into one matrix each
-at load time: fewer, larger GEMMs.
+at load time: fewer, larger GEMMs. A family is a set of switches (model_config.py), read here where
+they apply: q/k norms, the rotary table of each layer (global, Gemma 3's local one, or none for
+SmolLM3's NoPE layers), partial rotary, sliding windows and softcaps, Gemma's four norms per layer
+and GeGLU, Granite's multipliers. Norm weights always multiply as x * w: a Gemma checkpoint's
+x * (1 + w) gets its 1 added at load (loader.py), as llama.cpp's converter does.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from torch import nn
 from minivllm.model.attention import AttentionMetadata, paged_attention
 from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_ops, quant_gemm
 from minivllm.model.kv_cache import KVCache
-from minivllm.model.loader import ModelConfig
+from minivllm.model.model_config import NO_ROPE, ROPE_LOCAL, ModelConfig
 from minivllm.model.native_forward import NativeForward
 from minivllm.model.quant import QuantizedTensor, QuantizedWeight, fuse_rows, quantize
 
@@ -27,7 +31,7 @@ class Linear(nn.Linear):
     is a float tensor, packed once into the GEMM's column panels, or quantized (`quantized`, quant.py:
     GGUF blocks or --quantization int8/int4), computed with the quantized kernel or its torch twin."""
 
-    native: Gemm | None = None  # set by LlamaForCausalLM.use_native_kernels where it applies
+    native: Gemm | None = None  # set by CausalLM.use_native_kernels where it applies
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight panels, float32 bias)
     quantized: QuantizedWeight | None = None
     quantized_bias: torch.Tensor | None = None  # the bias in float32, as the quantized paths add it
@@ -84,7 +88,7 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    ops: LayerOps | None = None  # the fused native op, set by LlamaForCausalLM.use_native_kernels
+    ops: LayerOps | None = None  # the fused native op, set by CausalLM.use_native_kernels
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -109,13 +113,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """The rotary frequencies of the global layers (or of Gemma 3's local ones: their own base, no
+    scaling), over the rotated part of a head; longrope's short factors (Rotary adds the long ones)."""
+    dim = config.rotary_size
+    theta = config.local_rope_theta if local else config.rope_theta
     # On the CPU even while the model is built on the meta device: meta tensors' math would import
     # torch._prims (a second of start-up) for a table this small.
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (theta ** exponents)
+    scaling = None if local else config.rope_scaling or {}
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones, blend between
@@ -128,29 +136,48 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
                                torch.where(wavelen < old_len / high, inv_freq, blended))
     elif kind == "freq_factors":  # a GGUF's rope_freqs: the same scaling, precomputed per frequency
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    elif kind == "longrope":  # Phi-3: per-frequency factors, as transformers divides by them
+        inv_freq = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu") * theta ** exponents)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq
 
 
 class Rotary(nn.Module):
-    """cos/sin of each position's angles, float32 [tokens, head_dim / 2], computed once per forward
-    (no table to size)."""
+    """cos/sin of each position's angles, float32 [tokens, rotary_dim / 2], computed once per forward
+    (no table to size). Longrope (Phi-3) uses its long factors from position original_max on: per
+    position, so a token's angles never depend on what else is in the batch (transformers switches
+    the whole forward at once, the same for every decoded token)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config, local), persistent=False)
+        scaling = {} if local else config.rope_scaling or {}
+        self.long_from, self.attention_factor = None, 1.0
+        if scaling.get("rope_type") == "longrope":
+            exponents = torch.arange(0, config.rotary_size, 2, device="cpu").float() / config.rotary_size
+            long = torch.tensor(scaling["long_factor"], dtype=torch.float32, device="cpu")
+            self.register_buffer("long_inv_freq", 1.0 / (long * config.rope_theta ** exponents), persistent=False)
+            self.long_from, self.attention_factor = scaling["original_max_position_embeddings"], scaling["attention_factor"]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        if self.long_from is not None:
+            long = positions.float()[:, None] * self.long_inv_freq[None, :]
+            freqs = torch.where(positions[:, None] >= self.long_from, long, freqs)
+        if self.attention_factor != 1.0:
+            return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         return freqs.cos(), freqs.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, head_dim]; the NeoX rotation of the two halves, in x's dtype as in HF."""
+    """x [tokens, heads, head_dim]; the NeoX rotation of the two halves of the first 2 * cos.shape[1]
+    dimensions (all of them but with partial rotary), in x's dtype as in HF."""
+    rot = 2 * cos.shape[-1]
     cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(x.dtype)
     sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    rotated = x[..., :rot] * cos + _rotate_half(x[..., :rot]) * sin
+    return rotated if rot == x.shape[-1] else torch.cat((rotated, x[..., rot:]), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -158,10 +185,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class Attention(nn.Module):
     ops: LayerOps | None = None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -172,21 +202,29 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.scale = self.head_dim ** -0.5
+        self.scale = config.scale
+        self.rope = config.layer_rope(layer)  # model_config.ROPE_GLOBAL, ROPE_LOCAL or NO_ROPE
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_logit_softcap
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ropes: list[Rope], kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.ops is not None:
-            self.ops.rotary_(q, k, *rope)
-        else:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops)
+            if self.ops is not None:
+                self.ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
+                self.ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope != NO_ROPE:
+            rope = ropes[self.rope]
+            if self.ops is not None:
+                self.ops.rotary_(q, k, *rope)
+            else:
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops, self.window, self.softcap)
         return self.o_proj(o.flatten(1))
 
 
@@ -197,32 +235,51 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_and_mul(gate_up))
+            return self.down_proj(self.ops.act_and_mul(gate_up, self.act))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
+        # Without sandwich norms, post_attention_layernorm is the MLP's input norm (Llama's name); with
+        # them (Gemma) it normalizes the attention's output and pre_feedforward_layernorm is the MLP's.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+        self.residual_scale = config.residual_scale
 
-    def forward(self, delta: torch.Tensor | None, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, delta: torch.Tensor | None, residual: torch.Tensor, ropes: list[Rope],
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """`residual` is the residual stream, updated in place; `delta` is the previous layer's MLP
         output, not yet added to it (None at the first layer). Returns this layer's MLP output."""
-        x = self.self_attn(self.input_layernorm(delta, residual), rope, kv_cache, meta)
-        return self.mlp(self.post_attention_layernorm(x, residual))
+        x = self.self_attn(self.input_layernorm(delta, residual), ropes, kv_cache, meta)
+        if self.sandwich:
+            x = self.post_attention_layernorm(x)
+        x = self._scaled(x)
+        y = self.mlp((self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm)(x, residual))
+        if self.sandwich:
+            y = self.post_feedforward_layernorm(y)
+        return self._scaled(y)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """Granite's residual multiplier on a block's output (in its dtype, as transformers rounds it)."""
+        return x if self.residual_scale == 1.0 else x * self.residual_scale
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     # The whole layer loop in one native call (native_forward.py), when every kernel is native; the
     # Python loop in `forward` is its reference.
     native_forward: NativeForward | None = None
@@ -235,29 +292,39 @@ class LlamaForCausalLM(nn.Module):
         # (about 1 s of start-up).
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = Rotary(config)
+        # Index ROPE_GLOBAL, and ROPE_LOCAL where some layer uses Gemma 3's local table.
+        uses_local = any(config.layer_rope(i) == ROPE_LOCAL for i in range(config.num_hidden_layers))
+        self.rotaries = nn.ModuleList([Rotary(config)] + ([Rotary(config, local=True)] if uses_local else []))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
-        rope = self.rotary(positions)
+        if self.config.embedding_scale != 1.0:  # Gemma: sqrt(hidden) rounded to the dtype first, as transformers
+            residual = residual * torch.tensor(self.config.embedding_scale, dtype=residual.dtype)
+        ropes = [rotary(positions) for rotary in self.rotaries]
         # A step with adapter rows runs the Python loop, whose linear layers add them (the same bits otherwise).
         if self.native_forward is not None and meta.kernel is not None and not (self.lora and self.lora.active):
-            return self.native_forward(residual, rope, kv_caches, meta)
+            return self.native_forward(residual, ropes, kv_caches, meta)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            delta = layer(delta, residual, rope, kv_cache, meta)
+            delta = layer(delta, residual, ropes, kv_cache, meta)
         return self.norm(delta, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.config.logits_divisor != 1.0:  # Granite
+            logits = logits / self.config.logits_divisor
+        if self.config.final_logit_softcap is not None:  # Gemma 2
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
-                     device: torch.device, dtype: torch.dtype, quantization: str = "none") -> "LlamaForCausalLM":
+                     device: torch.device, dtype: torch.dtype, quantization: str = "none") -> "CausalLM":
         """Build the model without initializing it (on the meta device), then take the checkpoint's
         tensors as its parameters: no random init, no second copy of the weights. `quantization`
         (EngineConfig.weight_quantization): "gguf" keeps the file's quantized blocks as they come, "int8"/"int4"
@@ -269,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_state(cls, config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWeight],
-                   device: torch.device) -> "LlamaForCausalLM":
+                   device: torch.device) -> "CausalLM":
         """The model from what `state()` returned for it (weight_cache.py): nothing converted."""
         with torch.device("meta"):
             model = cls(config)
@@ -290,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
             state.pop("lm_head.weight", None)
         return state
 
-    def _placed(self, device: torch.device) -> "LlamaForCausalLM":
+    def _placed(self, device: torch.device) -> "CausalLM":
         model = self.to(device).eval()
         for weight in model.quantized_weights():
             weight.to(device)
@@ -312,8 +379,17 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
         function = forward_layers(device, dtype) if enabled else None
-        covered = self.uses_native_kernels and not self.config.qk_norm
-        self.native_forward = NativeForward(self, function) if function and covered else None
+        self.native_forward = NativeForward(self, function) if function and self.uses_native_kernels else None
+
+    def layer_loop(self) -> str:
+        """Which loop runs the layers, and why not the native one: for the engine's start-up line."""
+        if self.native_forward is not None:
+            return "native layer loop (csrc/forward.c)"
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        if forward_layers(device, dtype) is None:
+            return f"Python layer loop: no native layer loop for {device.type}/{dtype} on this target"
+        torch_linears = [n for n, m in self.named_modules() if isinstance(m, Linear) and not m.uses_native]
+        return f"Python layer loop: {', '.join(torch_linears[:3]) or 'a layer op'} run(s) as torch"
 
     @property
     def uses_native_kernels(self) -> bool:

@@ -1,0 +1,70 @@
+"""What the decoder needs to know about a checkpoint: its shapes and the switches of its family.
+
+One `ModelConfig` describes every family the registry knows (registry.py): a Llama is the config with
+every switch at its default; Gemma, Phi, Granite... set the few they change. The decoder
+(decoder.py), the native layer loop (native_forward.py) and the loaders read only this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROPE_GLOBAL, ROPE_LOCAL, NO_ROPE = 0, 1, -1  # a layer's rotary table (csrc/forward.c reads the same numbers)
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation; its index is csrc/forward.c's `act`
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # the registry's family name (registry.FAMILIES)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict | None = None  # llama3, linear, longrope, or a GGUF's per-frequency factors
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm per head on q and k before RoPE
+    # Sliding-window attention: each token attends to the last `sliding_window` tokens (itself included),
+    # on the layers listed in `sliding_layers` (None: every layer, as Mistral v0.1).
+    sliding_window: int | None = None
+    sliding_layers: list[int] | None = None
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base (default scaling)
+    nope_layers: list[int] = field(default_factory=list)  # SmolLM3: layers without RoPE
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): the first this many of each head; None: all
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP too (four per layer)
+    query_scale: float | None = None  # the attention's score scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    embedding_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
+    residual_scale: float = 1.0  # Granite: each block's output times this before the residual add
+    logits_divisor: float = 1.0  # Granite: logits_scaling
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def rotary_size(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None where it attends to its whole context."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, layer: int) -> int:
+        """Which rotary table layer `layer` uses: ROPE_GLOBAL, ROPE_LOCAL (Gemma 3's sliding layers) or NO_ROPE."""
+        if layer in self.nope_layers:
+            return NO_ROPE
+        if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+            return ROPE_LOCAL
+        return ROPE_GLOBAL

@@ -1,0 +1,210 @@
+"""Model families: an architecture name -> the model class and how to read the family's config.
+
+A Hugging Face checkpoint names its architecture in config.json (`architectures[0]`), a GGUF file in
+`general.architecture`. Each family is one `Family` entry: the names it goes by, the switches its
+configs set (model_config.py) and the few conventions of its checkpoints; every family runs the one
+configurable decoder (decoder.py), as vLLM's registry and mini-sglang's switches do. An architecture
+that is not here is refused at load, naming it and the known ones.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from minivllm.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+Switches = dict[str, Any]  # ModelConfig fields a family sets beyond the common ones
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_architectures: tuple[str, ...]
+    gguf_architecture: str | None
+    switches: Switches = field(default_factory=dict)  # fixed for the family, whatever the checkpoint
+    hf_switches: Callable[[dict], Switches] = lambda cfg: {}  # read from config.json
+    gguf_switches: Callable[[ModelConfig], Switches] = lambda config: {}  # derived where GGUF has no key
+    hf_norm_offset: float = 0.0  # Gemma computes x * (1 + w): its HF norm weights get the 1 at load
+    gguf_permuted_qk: bool = False  # llama.cpp stores Q/K rows permuted for its interleaved RoPE
+    gguf_tensor_names: dict[str, str] = field(default_factory=dict)  # beyond loader.GGUF_NAMES
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    return cfg.get("rope_parameters") or {}
+
+
+def _sliding(cfg: dict) -> Switches:
+    """Mistral, Phi-3: a sliding window on every layer, if the config has one."""
+    return {"sliding_window": cfg.get("sliding_window")}
+
+
+def _sliding_if_used(cfg: dict) -> Switches:
+    # Qwen2/3 configs carry a sliding_window they do not use unless use_sliding_window is set.
+    return {"sliding_window": cfg.get("sliding_window") if cfg.get("use_sliding_window") else None}
+
+
+def _layer_types_windows(cfg: dict) -> Switches:
+    """Gemma 2/3: the layers whose `layer_types` entry is sliding_attention attend to the window."""
+    types = cfg.get("layer_types") or []
+    return {"sliding_window": cfg.get("sliding_window"),
+            "sliding_layers": [i for i, t in enumerate(types) if t == "sliding_attention"]}
+
+
+def _gemma_hf(cfg: dict) -> Switches:
+    return {**_layer_types_windows(cfg), "query_scale": cfg["query_pre_attn_scalar"] ** -0.5,
+            "attn_logit_softcap": cfg.get("attn_logit_softcapping"),
+            "final_logit_softcap": cfg.get("final_logit_softcapping"),
+            "embedding_scale": cfg["hidden_size"] ** 0.5}
+
+
+def _gemma3_hf(cfg: dict) -> Switches:
+    """Gemma 3's rope_parameters are per layer type: the global layers' base and scaling, the sliding
+    layers' own base (v4 configs: rope_theta, rope_scaling and rope_local_base_freq at the top)."""
+    rope = _rope_parameters(cfg)
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    scaling = full if full.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+    return {**_gemma_hf(cfg), "rope_theta": full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
+            "rope_scaling": scaling, "local_rope_theta": local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))}
+
+
+def _gemma2_gguf(config: ModelConfig) -> Switches:
+    # llama.cpp: sliding on even layers; the query scale 1/sqrt(head_dim) (query_pre_attn_scalar is not
+    # in the file: equal to head_dim in Gemma 2 2B/9B).
+    return {"sliding_layers": list(range(0, config.num_hidden_layers, 2)), "query_scale": config.head_dim ** -0.5,
+            "embedding_scale": config.hidden_size ** 0.5}
+
+
+def _gemma3_gguf(config: ModelConfig) -> Switches:
+    # llama.cpp: 5 sliding layers to 1 global, the sliding ones with RoPE base 10000 (fixed in its code);
+    # the query scale 1/sqrt(head_dim), as for every Gemma 3 but the 27B.
+    return {**_gemma2_gguf(config), "sliding_layers": [i for i in range(config.num_hidden_layers) if i % 6 != 5],
+            "local_rope_theta": 10_000.0}
+
+
+def _phi3_hf(cfg: dict) -> Switches:
+    """Partial rotary, and longrope's short/long factors with its attention factor (computed as
+    transformers does when the config leaves it out)."""
+    rope = {**(cfg.get("rope_scaling") or {}), **_rope_parameters(cfg)}
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    switches: Switches = {**_sliding(cfg), "rotary_dim": int(head_dim * partial)}
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+        original = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        factor = rope.get("factor") or cfg["max_position_embeddings"] / original
+        attention = rope.get("attention_factor") or (
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+        switches["rope_scaling"] = {"rope_type": "longrope", "short_factor": rope["short_factor"],
+                                    "long_factor": rope["long_factor"], "attention_factor": attention,
+                                    "original_max_position_embeddings": original}
+    return switches
+
+
+def _smollm3_hf(cfg: dict) -> Switches:
+    flags = cfg.get("no_rope_layers")  # 1: the layer uses RoPE
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(cfg["num_hidden_layers"])]
+    return {"nope_layers": [i for i, uses_rope in enumerate(flags) if not uses_rope], **_sliding_if_used(cfg)}
+
+
+def _smollm3_gguf(config: ModelConfig) -> Switches:
+    # llama.cpp: no RoPE on every 4th layer (fixed in its code, not in the file).
+    return {"nope_layers": [i for i in range(config.num_hidden_layers) if (i + 1) % 4 == 0]}
+
+
+def _granite_hf(cfg: dict) -> Switches:
+    return {"query_scale": cfg.get("attention_multiplier"), "embedding_scale": cfg.get("embedding_multiplier", 1.0),
+            "residual_scale": cfg.get("residual_multiplier", 1.0), "logits_divisor": cfg.get("logits_scaling", 1.0),
+            "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
+
+
+_GEMMA = {"hidden_act": "gelu_tanh", "sandwich_norms": True}
+_GEMMA_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                  "post_ffw_norm": "post_feedforward_layernorm"}
+
+FAMILIES = [
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "llama", hf_switches=_sliding,
+           gguf_permuted_qk=True),
+    Family("qwen2", ("Qwen2ForCausalLM",), "qwen2",
+           hf_switches=lambda cfg: {"attention_bias": cfg.get("attention_bias", True), **_sliding_if_used(cfg)}),
+    Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", {"qk_norm": True}, hf_switches=_sliding_if_used),
+    Family("gemma2", ("Gemma2ForCausalLM",), "gemma2", _GEMMA, _gemma_hf, _gemma2_gguf, hf_norm_offset=1.0,
+           gguf_tensor_names=_GEMMA_TENSORS),
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "gemma3", {**_GEMMA, "qk_norm": True},
+           _gemma3_hf, _gemma3_gguf, hf_norm_offset=1.0, gguf_tensor_names=_GEMMA_TENSORS),
+    Family("phi3", ("Phi3ForCausalLM",), "phi3", hf_switches=_phi3_hf,
+           gguf_tensor_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+    Family("smollm3", ("SmolLM3ForCausalLM",), "smollm3", hf_switches=_smollm3_hf, gguf_switches=_smollm3_gguf,
+           gguf_permuted_qk=True),
+    Family("granite", ("GraniteForCausalLM",), "granite", hf_switches=_granite_hf, gguf_permuted_qk=True),
+]
+_BY_HF = {arch: f for f in FAMILIES for arch in f.hf_architectures}
+_BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def family(name: str) -> Family:
+    """The family a ModelConfig's `architecture` names."""
+    return _BY_NAME[name]
+
+
+def hf_family(architectures: list[str], where: str) -> Family:
+    found = next((_BY_HF[a] for a in architectures if a in _BY_HF), None)
+    if found is None:
+        raise ValueError(f"unsupported architecture {architectures} in {where}; minivllm runs "
+                         f"{', '.join(_BY_HF)}")
+    return found
+
+
+def gguf_family(architecture: str, where: str) -> Family:
+    if architecture not in _BY_GGUF:
+        raise ValueError(f"unsupported GGUF architecture {architecture!r} in {where}; minivllm runs "
+                         f"{', '.join(_BY_GGUF)}")
+    return _BY_GGUF[architecture]
+
+
+ACTIVATION_NAMES = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def read_hf_config(cfg: dict, eos: int | list[int] | None, where: str) -> ModelConfig:
+    """A config.json (its generation_config's eos, if any) -> ModelConfig. A multimodal Gemma 3 nests
+    the language model's settings in `text_config`: that model is loaded, the vision tower left out."""
+    fam = hf_family(cfg.get("architectures") or [], where)
+    if "text_config" in cfg:
+        logger.warning("%s: %s is multimodal; minivllm loads its language model and ignores the vision tower",
+                       where, cfg["architectures"][0])
+        cfg = {**cfg["text_config"], "architectures": cfg["architectures"],
+               "tie_word_embeddings": cfg["text_config"].get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))}
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if activation not in ACTIVATION_NAMES:
+        raise ValueError(f"{where}: activation {activation!r} is not supported; minivllm runs {', '.join(ACTIVATION_NAMES)}")
+    heads = cfg["num_attention_heads"]
+    rope = _rope_parameters(cfg)
+    eos = cfg.get("eos_token_id") if eos is None else eos
+    fields: Switches = dict(
+        architecture=fam.name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+        attention_bias=cfg.get("attention_bias", False),
+        hidden_act=ACTIVATION_NAMES[activation],
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+    )
+    fields.update(fam.switches)
+    fields.update({k: v for k, v in fam.hf_switches(cfg).items() if v is not None})
+    return ModelConfig(**fields)
