@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from minivllm.model.gguf_file import GGUFFile
-from minivllm.model.loader import _GGUF_NAMES, _gguf_tensor, _unpermute_rows
+from minivllm.model.loader import GGUF_NAMES, gguf_tensor, unpermute_rows
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -152,13 +152,13 @@ def _read_gguf(path: Path, heads: dict[str, int]) -> AdapterWeights:
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for t in f.tensors:
         parts = t.name.split(".")  # blk.N.attn_q.weight.lora_a
-        module = _GGUF_NAMES.get(parts[2], "") if len(parts) == 5 and parts[0] == "blk" else ""
+        module = GGUF_NAMES.get(parts[2], "") if len(parts) == 5 and parts[0] == "blk" else ""
         projection = module.rpartition(".")[2]
         if projection not in PROJECTIONS or parts[3:] not in (["weight", "lora_a"], ["weight", "lora_b"]):
             raise AdapterError(f"{path}: tensor {t.name!r} adapts a module minivllm's models do not adapt "
                                f"(supported: {', '.join(PROJECTIONS)} in the decoder layers)")
         try:
-            tensor = _gguf_tensor(f, t, torch.float32)
+            tensor = gguf_tensor(f, t, torch.float32)
         except (ValueError, RuntimeError, KeyError) as e:
             raise AdapterError(f"{path}: tensor {t.name}: cannot decode it ({e})") from None
         pairs.setdefault((int(parts[1]), projection), {})[parts[4]] = tensor
@@ -172,7 +172,7 @@ def _read_gguf(path: Path, heads: dict[str, int]) -> AdapterWeights:
             raise AdapterError(f"{path}: layer {layer} {projection}: shape mismatch: lora_a {tuple(a.shape)}, "
                                f"lora_b {tuple(b.shape)}")
         if arch == "llama" and projection in heads:  # llama.cpp's RoPE row order, as in loader._gguf_weights
-            b = _unpermute_rows(b, heads[projection])
+            b = unpermute_rows(b, heads[projection])
         scaling = alpha / rank if alpha else 1.0  # llama.cpp's rule (llama-adapter.cpp)
         factors[(layer, projection)] = LoRAFactors(a.contiguous(), (b * scaling).contiguous())
     if not factors:

@@ -189,10 +189,10 @@ def _gguf_rope_scaling(f: GGUFFile, meta, tensors: dict[str, GGUFTensorInfo]) ->
     # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-frequency divisors, not as metadata,
     # and longrope's (Phi-3) as two such tensors, with its attention factor as metadata.
     if "rope_freqs.weight" in tensors:
-        factors = _gguf_tensor(f, tensors["rope_freqs.weight"], torch.float32)
+        factors = gguf_tensor(f, tensors["rope_freqs.weight"], torch.float32)
         return {"rope_type": "freq_factors", "factors": factors.reshape(-1).tolist()}
     if "rope_factors_long.weight" in tensors:
-        short, long = (_gguf_tensor(f, tensors[f"rope_factors_{kind}.weight"], torch.float32).reshape(-1).tolist()
+        short, long = (gguf_tensor(f, tensors[f"rope_factors_{kind}.weight"], torch.float32).reshape(-1).tolist()
                        for kind in ("short", "long"))
         return {"rope_type": "longrope", "short_factor": short, "long_factor": long,
                 "attention_factor": meta("rope.scaling.attn_factor", 1.0),
@@ -218,21 +218,21 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, fam: Family, dtype: torch.dt
         if keep_quantized and t.type in BLOCK_FORMATS and len(t.shape) == 2:
             tensor = QuantizedTensor(f.raw(t).view(t.shape[0], -1), t.type)
         else:
-            tensor = _gguf_tensor(f, t, dtype)
+            tensor = gguf_tensor(f, t, dtype)
         # llama.cpp stores Llama's Q and K rows permuted for its interleaved RoPE; undo it.
         if fam.gguf_permuted_qk and parts[-1] in ("attn_q", "attn_k"):
             n = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
-            unpermute = functools.partial(_unpermute_rows, num_heads=n)
+            unpermute = functools.partial(unpermute_rows, num_heads=n)
             tensor = tensor.map_rows(unpermute) if isinstance(tensor, QuantizedTensor) else unpermute(tensor)
         yield hf, tensor
 
 
-def _gguf_tensor(f: GGUFFile, t: GGUFTensorInfo, dtype: torch.dtype) -> torch.Tensor:
+def gguf_tensor(f: GGUFFile, t: GGUFTensorInfo, dtype: torch.dtype) -> torch.Tensor:
     """The file's bytes in place when they already are a `dtype` tensor, else decoded from them."""
     return dequantize(f.raw(t), t.type, t.shape, dtype)
 
 
-def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
