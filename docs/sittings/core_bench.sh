@@ -1,0 +1,217 @@
+#!/bin/bash
+# Issue 30 (the engine core in its own process): the benchmarks, to run ALONE on the machine.
+#   bash /work/runs/core_bench.sh            # REPO=/work/main by default (the merged tree)
+# On the default model and on the 0.5B file:
+#   (a) offline `bench throughput --dataset fixed` vs `bench serve --dataset fixed` (all at once, streaming)
+#       against `minivllm serve` (engine-core process) and `--disable-frontend-multiprocessing`
+#   (b) `bench latency --batch-size 12 --input-len 64 --output-len 256` vs `bench serve --dataset random
+#       --input-len 64 --output-len 256 --max-concurrency 12` against both servers
+#   (c) idle CPU (user + system, from /proc) of the server's processes over 60 s
+#   (d) vLLM-CPU's api_server vs `minivllm serve`: the fixed workload's lengths, 200 requests, all at once,
+#       then Poisson at 70 % of vLLM's saturated request rate (our TPOT mean and P99 TTFT vs vLLM's)
+# Results: /work/runs/core_bench_out/ (one JSON per run, server logs, summary.md at the end).
+# Ports 8441-8449.
+set -u
+REPO=${REPO:-/work/main}
+cd "$REPO" || exit 1
+PY=$REPO/.venv/bin/python
+export PYTHONPATH=$REPO
+MV="$PY -m minivllm.cli"
+OUT=/work/runs/core_bench_out
+mkdir -p "$OUT"
+M05=$HOME/.cache/minivllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+PEERS=$HOME/.cache/minivllm-peers
+VLLM_PY=$PEERS/vllm/bin/python
+VLLM_ENV="OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2"
+IDLE_S=60
+pid=""
+
+log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/run.log"; }
+
+wait_healthy() {  # url name: up to 15 min (a cold start compiles kernels, packs weights)
+  local i
+  for i in $(seq 900); do
+    if curl -sf -o /dev/null "$1/health"; then return 0; fi
+    if ! kill -0 "$pid" 2>/dev/null; then log "$2 exited while starting; see $OUT/$2.log"; return 1; fi
+    sleep 1
+  done
+  log "$2 not healthy after 900 s"; return 1
+}
+
+start_minivllm() {  # name port args...
+  local name=$1 port=$2; shift 2
+  $MV serve --port "$port" "$@" > "$OUT/$name.log" 2>&1 &
+  pid=$!
+  wait_healthy "http://127.0.0.1:$port" "$name"
+}
+
+start_vllm() {  # name port checkpoint
+  local name=$1 port=$2 ckpt=$3
+  env $VLLM_ENV "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$ckpt" --dtype bfloat16 \
+    --max-model-len 8192 --port "$port" > "$OUT/$name.log" 2>&1 &
+  pid=$!
+  wait_healthy "http://127.0.0.1:$port" "$name"
+}
+
+stop_server() {
+  kill "$pid"; wait "$pid"
+  log "stopped (exit code $?)"
+}
+
+process_tree() {  # the pid and its descendants
+  local p=$1 c
+  echo "$p"
+  for c in $(cat /proc/"$p"/task/*/children 2>/dev/null); do process_tree "$c"; done
+}
+
+cpu_ticks() {  # summed utime + stime of the given pids
+  local total=0 p f
+  for p in "$@"; do
+    f=$(sed 's/.*) //' /proc/"$p"/stat 2>/dev/null) || continue
+    set -- $f
+    total=$((total + ${12} + ${13}))
+  done
+  echo "$total"
+}
+
+idle_cpu() {  # name: CPU of the server's process tree over IDLE_S idle seconds -> OUT/name-idle.json
+  local name=$1 pids before after hz
+  pids=$(process_tree "$pid")
+  hz=$(getconf CLK_TCK)
+  sleep 5  # the last request's stream is closed
+  before=$(cpu_ticks $pids)
+  sleep "$IDLE_S"
+  after=$(cpu_ticks $pids)
+  echo "{\"pids\": \"$(echo $pids)\", \"seconds\": $IDLE_S, \"cpu_seconds\": $(echo "($after - $before) / $hz" | bc -l), \"percent_of_one_core\": $(echo "100 * ($after - $before) / $hz / $IDLE_S" | bc -l)}" > "$OUT/$name-idle.json"
+  log "$name idle: $(cat "$OUT/$name-idle.json")"
+}
+
+bench_serve() {  # name port model-args... extra-args...
+  local name=$1 port=$2; shift 2
+  $MV bench serve --base-url "http://127.0.0.1:$port" --disable-tqdm --output-json "$OUT/$name.json" "$@" \
+    > "$OUT/$name.txt" 2>&1
+  log "$name: $(grep -E 'Total token throughput|Output token throughput|Mean TPOT|P99 TTFT|Time per request' "$OUT/$name.txt" | tr '\n' ';')"
+}
+
+hf_checkpoint_05b() {  # the 0.5B GGUF's weights as an HF checkpoint vLLM loads (dequantized, like setup_vllm_cpu.sh)
+  local ckpt=$PEERS/qwen2.5-coder-0.5b-hf
+  if [ ! -f "$ckpt/model.safetensors" ]; then
+    "$VLLM_PY" - "$M05" "$ckpt" >&2 <<'PY'
+import os, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, out = sys.argv[1], sys.argv[2]
+d, name = os.path.dirname(path), os.path.basename(path)
+tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+model.hf_quantizer = None
+if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
+model.save_pretrained(out, safe_serialization=True)
+tok.save_pretrained(out)
+PY
+  fi
+  echo "$ckpt"
+}
+
+run_model() {  # tag model-args...
+  local tag=$1; shift
+  local margs=("$@")
+  log "== $tag: offline"
+  $MV bench throughput --dataset fixed "${margs[@]}" --disable-tqdm --output-json "$OUT/$tag-offline-fixed.json" \
+    > "$OUT/$tag-offline-fixed.txt" 2>&1
+  log "$tag offline fixed: $(grep 'Throughput' "$OUT/$tag-offline-fixed.txt")"
+  $MV bench latency --batch-size 12 --input-len 64 --output-len 256 "${margs[@]}" \
+    --output-json "$OUT/$tag-latency-b12.json" > "$OUT/$tag-latency-b12.txt" 2>&1
+  log "$tag latency b12: $(grep -i 'decode' "$OUT/$tag-latency-b12.txt" | head -2 | tr '\n' ';')"
+
+  local mode port=8441
+  for mode in ${MODES:-core inproc}; do
+    local extra=()
+    [ "$mode" = inproc ] && extra=(--disable-frontend-multiprocessing)
+    log "== $tag: minivllm serve ($mode)"
+    if start_minivllm "$tag-serve-$mode" "$port" "${margs[@]}" "${extra[@]}"; then
+      bench_serve "$tag-$mode-fixed-all" "$port" "${margs[@]}" --dataset fixed
+      bench_serve "$tag-$mode-12streams" "$port" "${margs[@]}" --dataset random --input-len 64 --output-len 256 \
+        --num-prompts 48 --max-concurrency 12
+      [ "$mode" = core ] && [ "$tag" = default ] && idle_cpu "$tag-$mode"
+      stop_server
+    fi
+    port=$((port + 1))
+  done
+}
+
+run_vllm() {  # tag checkpoint model-args...
+  local tag=$1 ckpt=$2; shift 2
+  local margs=("$@") rate
+  log "== $tag: vLLM-CPU api_server vs minivllm serve, 200 requests of the fixed workload's lengths"
+  if start_vllm "$tag-vllm-server" 8445 "$ckpt"; then
+    bench_serve "$tag-vllm-sat" 8445 "${margs[@]}" --dataset fixed --num-prompts 200
+    rate=$("$PY" -c "import json; print(0.7 * json.load(open('$OUT/$tag-vllm-sat.json'))['metrics']['request_throughput'])")
+    echo "$rate" > "$OUT/$tag-rate70"
+    bench_serve "$tag-vllm-rate70" 8445 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
+    stop_server
+  else
+    return
+  fi
+  if start_minivllm "$tag-serve-vs-vllm" 8446 "${margs[@]}"; then
+    bench_serve "$tag-minivllm-sat" 8446 "${margs[@]}" --dataset fixed --num-prompts 200
+    bench_serve "$tag-minivllm-rate70" 8446 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
+    stop_server
+  fi
+}
+
+log "start: REPO=$REPO commit $(git -C "$REPO" rev-parse --short HEAD)"
+[ -f "$M05" ] || $MV fetch qwen2.5-coder-0.5b-instruct-q4_k_m > /dev/null
+if [ -z "${ONLY_VLLM:-}" ]; then
+  [ -z "${ONLY_05B:-}" ] && run_model default
+  run_model q05b --model "$M05"
+fi
+if [ -n "${SKIP_VLLM:-}" ]; then
+  log "(d) skipped: SKIP_VLLM"
+elif [ -x "$VLLM_PY" ]; then
+  run_vllm default "$PEERS/smollm2-135m-hf"
+  [ -z "${SKIP_05B_VLLM:-}" ] && run_vllm q05b "$(hf_checkpoint_05b)" --model "$M05"
+else
+  log "no vLLM at $VLLM_PY: run /work/shared/peers/setup_vllm_cpu.sh first; (d) skipped"
+fi
+
+"$PY" - "$OUT" <<'PY' | tee "$OUT/summary.md"
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    p = os.path.join(out, name + ".json")
+    return json.load(open(p)) if os.path.exists(p) else None
+def fmt(x, f="{:.1f}"):
+    return "-" if x is None else f.format(x)
+print("| model | measure | value | vs | ratio | target |\n|---|---|---:|---:|---:|---:|")
+for tag in ("default", "q05b"):
+    off = load(f"{tag}-offline-fixed")
+    lat = load(f"{tag}-latency-b12")
+    off_tps = off["result"]["total_tokens_per_s"] if off else None
+    dec = 12 * 1000 / lat["result"]["decode_step_ms"] if lat else None
+    for mode in ("core", "inproc"):
+        sat, s12, idle = load(f"{tag}-{mode}-fixed-all"), load(f"{tag}-{mode}-12streams"), load(f"{tag}-{mode}-idle")
+        if sat:
+            v = sat["metrics"]["total_token_throughput"]
+            print(f"| {tag} | served fixed all-at-once total tok/s ({mode}) | {v:.1f} | offline {fmt(off_tps)} | "
+                  f"{fmt(v / off_tps if off_tps else None, '{:.0%}')} | >= 90% |")
+            print(f"| {tag} | time breakdown ms ({mode}, fixed) | {sat.get('time_breakdown_ms')} | | | |")
+        if s12:
+            v = s12["metrics"]["output_throughput"]
+            print(f"| {tag} | 12 streams output tok/s ({mode}); TPOT {s12['metrics']['tpot_ms']['mean']:.1f} ms | {v:.1f} | "
+                  f"latency b12 decode {fmt(dec)} | {fmt(v / dec if dec else None, '{:.0%}')} | >= 90% |")
+            print(f"| {tag} | time breakdown ms ({mode}, 12 streams) | {s12.get('time_breakdown_ms')} | | | |")
+        if idle:
+            print(f"| {tag} | idle CPU over 60 s ({mode}) | {idle['percent_of_one_core']:.2f}% of a core | | | < 2% |")
+    vs, ms = load(f"{tag}-vllm-sat"), load(f"{tag}-minivllm-sat")
+    if vs and ms:
+        a, b = ms["metrics"]["total_token_throughput"], vs["metrics"]["total_token_throughput"]
+        print(f"| {tag} | saturation total tok/s, minivllm vs vLLM | {a:.1f} | {b:.1f} | {a / b:.2f}x | >= 1.25x |")
+    vr, mr = load(f"{tag}-vllm-rate70"), load(f"{tag}-minivllm-rate70")
+    if vr and mr:
+        a, b = mr["metrics"]["tpot_ms"]["mean"], vr["metrics"]["tpot_ms"]["mean"]
+        print(f"| {tag} | 70% rate: mean TPOT ms | {a:.1f} | {b:.1f} | {a / b:.2f}x | <= 0.7x |")
+        a, b = mr["metrics"]["ttft_ms"]["percentiles"]["99"], vr["metrics"]["ttft_ms"]["percentiles"]["99"]
+        print(f"| {tag} | 70% rate: P99 TTFT ms | {a:.1f} | {b:.1f} | {a / b:.2f}x | <= 0.5x |")
+PY
+log "done"
