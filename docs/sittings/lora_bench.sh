@@ -51,6 +51,7 @@ bench() {  # name port extra-args...
 }
 
 # -- the adapters: 9 of rank 16 for Qwen2.5-0.5B's shapes (a8: loaded at runtime in (c)) -----------------
+if [ -z "${ONLY_LLAMA:-}" ]; then
 log "making adapters in $ADAPTERS"
 $PY - "$ADAPTERS" <<'EOF'
 import json, sys
@@ -139,6 +140,7 @@ EOF
   stop_server
 fi
 
+fi
 # -- (b) llama-server with the 8 GGUF adapters --------------------------------------------------------------
 if [ -x "$LLAMA_SERVER" ]; then
   LORAS=""
