@@ -12,6 +12,7 @@
 # Results: /work/runs/core_bench_out/ (one JSON per run, server logs, summary.md at the end).
 # Ports 8441-8449.
 set -u
+HERE=$(cd "$(dirname "$0")" && pwd)  # before the cd below: servers.sh lies beside this script
 REPO=${REPO:-/work/main}
 cd "$REPO" || exit 1
 PY=$REPO/.venv/bin/python
@@ -26,17 +27,7 @@ VLLM_ENV="OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE
 IDLE_S=60
 pid=""
 
-log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/run.log"; }
-
-wait_healthy() {  # url name: up to 15 min (a cold start compiles kernels, packs weights)
-  local i
-  for i in $(seq 900); do
-    if curl -sf -o /dev/null "$1/health"; then return 0; fi
-    if ! kill -0 "$pid" 2>/dev/null; then log "$2 exited while starting; see $OUT/$2.log"; return 1; fi
-    sleep 1
-  done
-  log "$2 not healthy after 900 s"; return 1
-}
+source "$HERE/servers.sh"
 
 start_minivllm() {  # name port args...
   local name=$1 port=$2; shift 2
@@ -51,11 +42,6 @@ start_vllm() {  # name port checkpoint
     --max-model-len 8192 --port "$port" > "$OUT/$name.log" 2>&1 &
   pid=$!
   wait_healthy "http://127.0.0.1:$port" "$name"
-}
-
-stop_server() {
-  kill "$pid"; wait "$pid"
-  log "stopped (exit code $?)"
 }
 
 process_tree() {  # the pid and its descendants

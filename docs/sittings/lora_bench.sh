@@ -11,6 +11,7 @@
 #       request vs a request to an adapter already loaded
 # Results: /work/runs/lora_bench_out/ (bench JSONs, server logs, summary.md). Ports 8451-8459.
 set -u
+HERE=$(cd "$(dirname "$0")" && pwd)  # before the cd below: servers.sh lies beside this script
 REPO=${REPO:-/work/main}
 cd "$REPO" || exit 1
 PY=$REPO/.venv/bin/python
@@ -26,22 +27,7 @@ WORKLOAD="--dataset random --input-len 256 --output-len 128 --num-prompts 16 --m
 NAMES="a0 a1 a2 a3 a4 a5 a6 a7"
 pid=""
 
-log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/run.log"; }
-
-wait_healthy() {  # url name: up to 15 min (a cold start compiles kernels, packs weights)
-  local i
-  for i in $(seq 900); do
-    if curl -sf -o /dev/null "$1/health"; then return 0; fi
-    if ! kill -0 "$pid" 2>/dev/null; then log "$2 exited while starting; see $OUT/$2.log"; return 1; fi
-    sleep 1
-  done
-  log "$2 not healthy after 900 s"; return 1
-}
-
-stop_server() {
-  kill "$pid"; wait "$pid"
-  log "stopped (exit code $?)"
-}
+source "$HERE/servers.sh"
 
 bench() {  # name port extra-args...
   local name=$1 port=$2; shift 2

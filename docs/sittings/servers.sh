@@ -1,0 +1,19 @@
+# Shared by the sittings' scripts (sourced): a log line with the time, a server's start and stop.
+# The caller sets OUT (the results folder) and pid (the server being waited for or stopped).
+
+log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/run.log"; }
+
+wait_healthy() {  # url name: up to 15 min (a cold start compiles kernels, packs weights)
+  local i
+  for i in $(seq 900); do
+    if curl -sf -o /dev/null "$1/health"; then return 0; fi
+    if ! kill -0 "$pid" 2>/dev/null; then log "$2 exited while starting; see $OUT/$2.log"; return 1; fi
+    sleep 1
+  done
+  log "$2 not healthy after 900 s"; return 1
+}
+
+stop_server() {
+  kill "$pid"; wait "$pid"
+  log "stopped (exit code $?)"
+}
