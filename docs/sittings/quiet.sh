@@ -6,9 +6,10 @@ stopped=/tmp/quiet_stopped.$$
 : > $stopped
 tree() { echo "$1"; for c in $(cat /proc/$1/task/*/children 2>/dev/null); do tree "$c"; done; }
 pause_all() {
+  local mine=" $(tree $me | tr '\n' ' ') "  # CMD's own processes (its converters, its builds) keep running
   for p in $(pgrep -f -- '-m pytest|cc1plus|ninja|cmake --build|pip install|pip download|convert_hf_to_gguf|llama-quantize|setup_vllm_cpu'); do
     for q in $(tree $p); do
-      [ "$q" = "$me" ] && continue
+      case "$mine" in *" $q "*) continue ;; esac
       kill -STOP "$q" 2>/dev/null && echo "$q" >> $stopped
     done
   done
