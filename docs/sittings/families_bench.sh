@@ -4,7 +4,7 @@
 # Llama shape's sizes, the family's switches on), saved, converted to GGUF bf16 by llama.cpp's converter
 # and quantized to Q4_K_M by llama-quantize; then batch-1 latency and 16-request throughput in bf16
 # (GGUF bf16 file) and Q4_K_M, next to the Llama shape of the same size. Report: tokens/s x non-embedding
-# parameters, relative to the Llama shape's (target: within 15 %).
+# parameters, relative to the Llama shape's (target: within 15 %). The 16 requests are the fixed workload's first 16.
 # Gemma 2's converter needs a SentencePiece tokenizer.model, so Gemma 2 runs from its HF directory (bf16) only.
 set -euo pipefail
 WT=${WT:-/work/main}
@@ -87,8 +87,8 @@ run() {  # family, variant, model path, extra args
   "$PY" -m minivllm.cli bench latency --model "$model" --dtype bfloat16 --batch-size 1 --input-len 128 \
       --output-len 32 --num-iters-warmup 1 --num-iters 3 --output-json "$OUT/$kind.$variant.latency.json" "$@" \
       > "$OUT/$kind.$variant.latency.log" 2>&1 || echo "   latency failed: $OUT/$kind.$variant.latency.log"
-  "$PY" -m minivllm.cli bench throughput --model "$model" --dtype bfloat16 --num-prompts 16 --input-len 128 \
-      --output-len 32 --disable-tqdm --output-json "$OUT/$kind.$variant.throughput.json" "$@" \
+  "$PY" -m minivllm.cli bench throughput --model "$model" --dtype bfloat16 --num-prompts 16 --dataset fixed \
+      --disable-tqdm --output-json "$OUT/$kind.$variant.throughput.json" "$@" \
       > "$OUT/$kind.$variant.throughput.log" 2>&1 || echo "   throughput failed: $OUT/$kind.$variant.throughput.log"
 }
 
