@@ -1,7 +1,6 @@
 #!/bin/bash
 # CPU of the frontend, the engine core and the bench client over 30 s in the middle of a twelve-stream run
 # (default model), from /proc; run it alone (quiet.sh). Writes /work/runs/omp_ab/.
-# CPU seconds of the frontend, the engine core and the bench client during a 12-stream run (default model).
 set -u
 source /work/main/docs/sittings/servers.sh
 OUT=/work/runs/omp_ab; cd /work/main; export PYTHONPATH=/work/main
