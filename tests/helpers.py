@@ -154,6 +154,7 @@ def tiny_config(kind: str) -> Any:
     import transformers as t
 
     sizes = TINY_SIZES
+    # query_pre_attn_scalar = head_dim: llama.cpp's converter does not write it, and its Gemma code takes head_dim.
     gemma = dict(sizes, head_dim=32, query_pre_attn_scalar=32, sliding_window=TINY_WINDOW, tie_word_embeddings=True)
     return {
         "llama": lambda: t.LlamaConfig(**sizes),
@@ -162,9 +163,10 @@ def tiny_config(kind: str) -> Any:
         "mistral": lambda: t.MistralConfig(**sizes),
         "qwen2": lambda: t.Qwen2Config(**{**sizes, "tie_word_embeddings": True}),
         "qwen3": lambda: t.Qwen3Config(**sizes, head_dim=32),  # head_dim != hidden / heads
-        "gemma2": lambda: t.Gemma2Config(**{**gemma, "num_hidden_layers": 3}, attn_logit_softcapping=2.0,
-                                         final_logit_softcapping=5.0),
-        "gemma3": lambda: t.Gemma3TextConfig(**{**gemma, "num_hidden_layers": 3}, sliding_window_pattern=3,
+        "gemma2": lambda: t.Gemma2Config(**{**gemma, **GEMMA_SPECIAL_IDS, "num_hidden_layers": 3, "vocab_size": GEMMA_VOCAB},
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+        # Five sliding layers to one global, as llama.cpp assumes (the converter writes no pattern).
+        "gemma3": lambda: t.Gemma3TextConfig(**{**gemma, "num_hidden_layers": 6},
                                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                                  "rope_theta": 100000.0},
                                                               "sliding_attention": {"rope_type": "default",
@@ -175,6 +177,37 @@ def tiny_config(kind: str) -> Any:
         "granite": lambda: t.GraniteConfig(**sizes, embedding_multiplier=4.0, attention_multiplier=0.2,
                                            residual_multiplier=0.5, logits_scaling=2.0),
     }[kind]()
+
+
+# Gemma 2's tokenizer: SentencePiece, trained on the test prompts (sentencepiece_tokenizer).
+GEMMA_VOCAB = 384
+GEMMA_SPECIAL_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}  # and <unk> 3, as Gemma's
+
+
+def sentencepiece_tokenizer(path: Path) -> Path:
+    """A SentencePiece model as Gemma's is made (BPE with byte fallback, digits split, no dummy prefix,
+    whitespace kept, <pad> <eos> <bos> <unk> first), trained on the test prompts with GEMMA_VOCAB pieces,
+    saved in `path` as tokenizer.model (what llama.cpp's Gemma converter reads) beside transformers'
+    files made from it (tokenizer.json, tokenizer_config.json)."""
+    import io
+    import json
+
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(EQUALITY_PROMPTS), model_writer=model, model_type="bpe", vocab_size=GEMMA_VOCAB,
+        byte_fallback=True, split_digits=True, add_dummy_prefix=False, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", character_coverage=1.0, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>", minloglevel=2)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.model").write_bytes(model.getvalue())
+    config = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>",
+              "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": None}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    AutoTokenizer.from_pretrained(path).save_pretrained(path)
+    return path
 
 
 def save_tiny_model(config: Any, path: Path, tokenizer_dir: Path) -> Any:

@@ -55,17 +55,36 @@ def _wanted(name: str) -> bool:
 
 
 def _run(script: str, args: list[str]) -> None:
+    """`python SCRIPT ARGS...` with the llama.cpp directory importable (a script of it, or `-c CODE`)."""
     root = source_dir()
-    env = dict(os.environ, PYTHONPATH=str(root / "gguf-py"), NO_LOCAL_GGUF="")
-    result = subprocess.run([sys.executable, str(root / script), *args], env=env, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "gguf-py"), str(root)]), NO_LOCAL_GGUF="")
+    command = [script] if script == "-c" else [str(root / script)]
+    result = subprocess.run([sys.executable, *command, *args], env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{script} failed ({result.returncode}):\n{result.stderr[-4000:]}")
 
 
+# convert_hf_to_gguf.main() once per pair of argv's MODEL_DIR OUT MODEL_DIR OUT ..., after OUTTYPE.
+_CONVERT_MANY = """
+import sys
+import convert_hf_to_gguf
+outtype, pairs = sys.argv[1], sys.argv[2:]
+for model_dir, out in zip(pairs[::2], pairs[1::2]):
+    sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outfile", out, "--outtype", outtype]
+    convert_hf_to_gguf.main()
+"""
+
+
 def convert_hf(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """`convert_hf_to_gguf.py MODEL_DIR --outfile OUT --outtype f32|f16|bf16|q8_0`."""
-    _run("convert_hf_to_gguf.py", [str(model_dir), "--outfile", str(out), "--outtype", outtype])
+    convert_hf_many([(model_dir, out)], outtype)
     return out
+
+
+def convert_hf_many(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> None:
+    """convert_hf for each (MODEL_DIR, OUT), in one process: the converter's imports (torch, transformers
+    and its classes, seconds on a small machine) are paid once, not once per model."""
+    _run("-c", [_CONVERT_MANY, outtype, *(str(p) for job in jobs for p in job)])
 
 
 def convert_lora(adapter_dir: Path, base_dir: Path, out: Path, outtype: str = "f32") -> Path:

@@ -5,25 +5,31 @@ layers, Granite's multipliers), saved, and converted to GGUF by llama.cpp's own 
 
 For each: float32 greedy tokens equal transformers', from the HF directory and from the GGUF file, with
 chunked prefill and prefix caching on (the long prompt runs twice: the second time from the cache);
-bf16 reproducible alone and in a crowd; and a wrong switch (Gemma's +1 applied twice) breaks the
-equality, so these tests can fail.
+the switches read from the GGUF equal those read from config.json; bf16 reproducible alone and in a
+crowd; and a wrong switch (Gemma's +1 applied twice) breaks the equality, so these tests can fail.
+The tokenizers are the default model's, but Gemma 2's: its converter wants a SentencePiece
+tokenizer.model, trained here on the test prompts (helpers.sentencepiece_tokenizer).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from minivllm import LLM
 from minivllm.model import registry
+from minivllm.model.gguf_file import GGUFFile
+from minivllm.model.loader import load_checkpoint
 from minivllm.model.loading import load_model
-from tests.helpers import (LONG_PROMPT, TINY_WINDOW, HFGreedy, greedy, mismatch_report, save_tiny_model,
-                           tiny_config)
-from tests.llama_cpp import convert_hf
+from minivllm.model.model_config import ModelConfig
+from minivllm.model.tokenizer import get_tokenizer
+from tests.helpers import (EQUALITY_PROMPTS, GEMMA_SPECIAL_IDS, LONG_PROMPT, TINY_WINDOW, HFGreedy, greedy,
+                           mismatch_report, save_tiny_model, sentencepiece_tokenizer, tiny_config)
+from tests.llama_cpp import convert_hf_many
 
 FAMILIES = ["llama3.2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
 NEW_TOKENS = 8
@@ -31,12 +37,14 @@ SHORT_PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
-    """family -> (HF directory, transformers' model on it), each made once per module."""
+def checkpoints(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, HFGreedy]]:
+    """family -> (HF directory, transformers' greedy continuations on it), each made once per module."""
     made = {}
+    sentencepiece_dir = sentencepiece_tokenizer(tmp_path_factory.mktemp("sentencepiece"))
     for kind in FAMILIES:
         path = tmp_path_factory.mktemp(kind)
-        made[kind] = (path, save_tiny_model(tiny_config(kind), path, tokenizer_dir))
+        tokenizer = sentencepiece_dir if kind == "gemma2" else tokenizer_dir
+        made[kind] = (path, HFGreedy(save_tiny_model(tiny_config(kind), path, tokenizer)))
     # Phi-4-mini's tokenizer is GPT-2's, which llama.cpp's converter takes from the class name.
     config_file = made["phi3"][0] / "tokenizer_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
@@ -44,11 +52,12 @@ def checkpoints(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _gguf(checkpoints: dict, kind: str) -> Path:
-    path = checkpoints[kind][0]
-    out = path.parent / f"{kind}.gguf"
-    if not out.exists():
-        convert_hf(path, out, "f32")
-    return out
+    """The family's GGUF (float32), converted with every other family's on first use: one converter process."""
+    out = {k: path.parent / f"{k}.gguf" for k, (path, _) in checkpoints.items()}
+    missing = [(checkpoints[k][0], out[k]) for k in checkpoints if not out[k].exists()]
+    if missing:
+        convert_hf_many(missing, "f32")
+    return out[kind]
 
 
 def _engine(path: Path, dtype: str = "float32") -> LLM:
@@ -64,26 +73,81 @@ def _prompts(llm: LLM) -> list[list[int]]:
     return prompts
 
 
-def _assert_matches_transformers(llm: LLM, hf_model: Any) -> None:
+def _assert_matches_transformers(llm: LLM, reference: HFGreedy) -> None:
     prompts = _prompts(llm)
-    reference = HFGreedy(hf_model)
     # The long prompt twice, one after the other: the second reads its prefix from the cache.
     for batch in (prompts, prompts[1:]):
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(NEW_TOKENS), use_tqdm=False)
         for out, expected in zip(outputs, reference.many(batch, NEW_TOKENS)):
             ours = out.outputs[0].token_ids
-            assert ours == expected, mismatch_report(hf_model, out.prompt_token_ids, ours, expected)
+            assert ours == expected, mismatch_report(reference.model, out.prompt_token_ids, ours, expected)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-# Gemma 2's converter wants a SentencePiece tokenizer.model (not trained here yet): its GGUF is not tested.
-@pytest.mark.parametrize("kind, fmt", [(k, f) for k in FAMILIES for f in ("hf", "gguf") if (k, f) != ("gemma2", "gguf")])
+@pytest.mark.parametrize("kind, fmt", [(k, f) for k in FAMILIES for f in ("hf", "gguf")])
 def test_greedy_matches_transformers(kind: str, fmt: str, checkpoints: dict) -> None:
-    path, hf_model = checkpoints[kind]
+    path, reference = checkpoints[kind]
     llm = _engine(path if fmt == "hf" else _gguf(checkpoints, kind))
     assert llm.engine.model_config.architecture == kind.split(".")[0].removesuffix("3.2").replace("llama3", "llama")
     assert llm.engine.runner.batch_invariant  # every switch runs on the native kernels
-    _assert_matches_transformers(llm, hf_model)
+    _assert_matches_transformers(llm, reference)
+
+
+def _switches(config: ModelConfig) -> tuple[list, dict]:
+    """What the decoder does with a config: per layer its window and rotary table, and the scalars."""
+    layers = range(config.num_hidden_layers)
+    per_layer = [(config.layer_window(i), config.layer_rope(i)) for i in layers]
+    names = ("scale", "rope_theta", "local_rope_theta", "rotary_size", "attn_logit_softcap", "final_logit_softcap",
+             "embedding_scale", "residual_scale", "logits_divisor", "hidden_act", "qk_norm", "sandwich_norms")
+    values = {name: getattr(config, name) for name in names}
+    return per_layer, {name: round(v, 6) if isinstance(v, float) else v for name, v in values.items()}  # GGUF: float32
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_gguf_switches_equal_config_json(kind: str, checkpoints: dict) -> None:
+    """llama.cpp's GGUF of each checkpoint, as minivllm reads it (keys, and llama.cpp's own rules where the
+    converter writes none), switches the decoder as config.json does: Gemma 3's sliding layers and their
+    RoPE base (rope.freq_base_swa), Gemma's query scale, SmolLM3's NoPE layers..."""
+    hf_layers, hf_scalars = _switches(load_checkpoint(checkpoints[kind][0])[0])
+    gguf_layers, gguf_scalars = _switches(load_checkpoint(_gguf(checkpoints, kind))[0])
+    assert gguf_layers == hf_layers
+    assert gguf_scalars == hf_scalars
+
+
+def test_values_the_gguf_cannot_carry(checkpoints: dict) -> None:
+    """The tiny checkpoints keep the values llama.cpp assumes (a GGUF has no key for them); others are read
+    from config.json, and a 27B Gemma's GGUF gets llama.cpp's query scale, 1/sqrt(hidden / heads)."""
+    gemma_dir, smollm_dir = checkpoints["gemma3"][0], checkpoints["smollm3"][0]
+    gemma, smollm = (json.loads((d / "config.json").read_text()) for d in (gemma_dir, smollm_dir))
+    assert registry.read_hf_config({**gemma, "query_pre_attn_scalar": 144}, None, "gemma3").scale == 144 ** -0.5
+    assert registry.read_hf_config({**smollm, "no_rope_layers": [1, 0, 1, 1]}, None, "smollm3").nope_layers == [1]
+    for kind in ("gemma2", "gemma3"):
+        path = _gguf(checkpoints, kind)
+        config, file = load_checkpoint(path)[0], GGUFFile(path)
+        big = dataclasses.replace(config, num_hidden_layers=registry.GEMMA_27B_LAYERS[kind])
+        switches = registry.family(kind).gguf_switches(big, lambda key, default=None: file.get(f"{kind}.{key}", default))
+        assert math.isclose(switches["query_scale"], (config.hidden_size / config.num_attention_heads) ** -0.5)
+        assert config.scale == config.head_dim ** -0.5 != switches["query_scale"]
+
+
+def test_sentencepiece_gguf_tokenizer(checkpoints: dict) -> None:
+    """Gemma 2's GGUF holds a SentencePiece vocabulary (tokenizer.ggml.model "llama": pieces, scores, token
+    types): minivllm's tokenizer of it encodes and decodes as sentencepiece itself and as transformers'
+    tokenizer of the checkpoint directory do, byte fallback (Chinese, an emoji) and whitespace runs included."""
+    from sentencepiece import SentencePieceProcessor
+    from transformers import AutoTokenizer
+
+    directory, path = checkpoints["gemma2"][0], _gguf(checkpoints, "gemma2")
+    assert GGUFFile(path).get("tokenizer.ggml.model") == "llama"
+    ours = get_tokenizer(path, load_checkpoint(path)[0])
+    hf = AutoTokenizer.from_pretrained(directory)
+    sp = SentencePieceProcessor(model_file=str(directory / "tokenizer.model"))
+    bos, eos = GEMMA_SPECIAL_IDS["bos_token_id"], GEMMA_SPECIAL_IDS["eos_token_id"]
+    assert ours.eos_token_ids == [eos]
+    for text in [*EQUALITY_PROMPTS, "  two  spaces,\ttab\nnew line 12345 \U0001f642"]:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text) == [bos, *sp.encode(text)], text
+        assert ours.decode(ids + [eos]) == hf.decode(ids + [eos], skip_special_tokens=True) == text
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -108,7 +172,7 @@ def test_bf16_reproducible_alone_and_in_a_crowd(kind: str, checkpoints: dict) ->
 def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
     """The torch path (MINIVLLM_NO_KERNELS, CUDA) of the switches: softcaps and windows in attention.py,
     q/k norms, GeGLU, partial rotary."""
-    path, hf_model = checkpoints[kind]
+    path, reference = checkpoints[kind]
     llm = _engine(path)
     runner, model = llm.engine.runner, llm.engine.runner.model
     kernel = runner.attention_kernel
@@ -116,7 +180,7 @@ def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
     model.use_native_kernels(False)
     try:
         assert not runner.batch_invariant
-        _assert_matches_transformers(llm, hf_model)
+        _assert_matches_transformers(llm, reference)
     finally:
         runner.attention_kernel = kernel
         model.use_native_kernels(True)
@@ -124,7 +188,7 @@ def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
 
 def test_wrong_switch_breaks_equality(checkpoints: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Gemma's +1 applied twice to the norm weights: the tokens leave transformers'."""
-    path, hf_model = checkpoints["gemma2"]
+    path, reference = checkpoints["gemma2"]
     gemma2 = registry.family("gemma2")
     wrong = dataclasses.replace(gemma2, hf_norm_offset=2 * gemma2.hf_norm_offset)
     for table in (registry._BY_HF, registry._BY_NAME):
@@ -134,7 +198,7 @@ def test_wrong_switch_breaks_equality(checkpoints: dict, monkeypatch: pytest.Mon
         llm = _engine(path)
         prompts = _prompts(llm)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(NEW_TOKENS), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] != HFGreedy(hf_model).many(prompts, NEW_TOKENS)
+        assert [o.outputs[0].token_ids for o in outputs] != reference.many(prompts, NEW_TOKENS)
     finally:
         load_model.cache_clear()
 

@@ -178,7 +178,7 @@ def _gguf_checkpoint(path: Path, dtype: torch.dtype | None, keep_quantized: bool
         eos_token_ids=[] if eos is None else [eos],
     )
     config = ModelConfig(**{**fields, **fam.switches})
-    for key, value in fam.gguf_switches(config).items():
+    for key, value in fam.gguf_switches(config, meta).items():
         setattr(config, key, value)
     return config, _gguf_weights(f, config, fam, dtype or torch.float32, keep_quantized)
 

@@ -19,6 +19,7 @@ from minivllm.model.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 Switches = dict[str, Any]  # ModelConfig fields a family sets beyond the common ones
+Metadata = Callable[..., Any]  # a GGUF file's "{arch}.KEY" values: meta(KEY, default)
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Family:
     gguf_architecture: str | None
     switches: Switches = field(default_factory=dict)  # fixed for the family, whatever the checkpoint
     hf_switches: Callable[[dict], Switches] = lambda cfg: {}  # read from config.json
-    gguf_switches: Callable[[ModelConfig], Switches] = lambda config: {}  # derived where GGUF has no key
+    gguf_switches: Callable[[ModelConfig, Metadata], Switches] = lambda config, meta: {}  # read, or derived
     hf_norm_offset: float = 0.0  # Gemma computes x * (1 + w): its HF norm weights get the 1 at load
     gguf_permuted_qk: bool = False  # llama.cpp stores Q/K rows permuted for its interleaved RoPE
     gguf_tensor_names: dict[str, str] = field(default_factory=dict)  # beyond loader.GGUF_NAMES
@@ -72,18 +73,33 @@ def _gemma3_hf(cfg: dict) -> Switches:
             "rope_scaling": scaling, "local_rope_theta": local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))}
 
 
-def _gemma2_gguf(config: ModelConfig) -> Switches:
-    # llama.cpp: sliding on even layers; the query scale 1/sqrt(head_dim) (query_pre_attn_scalar is not
-    # in the file: equal to head_dim in Gemma 2 2B/9B).
-    return {"sliding_layers": list(range(0, config.num_hidden_layers, 2)), "query_scale": config.head_dim ** -0.5,
+# llama.cpp's layer counts of the Gemma 27B models, the one size whose query_pre_attn_scalar is hidden / heads.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_gguf(config: ModelConfig, meta: Metadata, period: int) -> Switches:
+    """What llama.cpp reads or assumes for Gemma 2 (`period` 2) and Gemma 3 (6). The sliding layers: the
+    file's attention.sliding_window_pattern (a flag per layer, or the period), else all but the last of
+    every `period` layers. The query scale: query_pre_attn_scalar ** -0.5, which the converter does not
+    write; llama.cpp takes head_dim for it, and hidden / heads for the 27B models (known by their layer
+    count), as their configs have it. The sliding layers' RoPE base: rope.freq_base_swa (Gemma 3: 10000
+    if absent)."""
+    layers = config.num_hidden_layers
+    pattern = meta("attention.sliding_window_pattern", period)
+    flags = pattern if isinstance(pattern, list) else [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    big = layers == GEMMA_27B_LAYERS[config.architecture]
+    return {"sliding_layers": [i for i, sliding in enumerate(flags) if sliding],
+            "query_scale": (config.hidden_size // config.num_attention_heads if big else config.head_dim) ** -0.5,
+            "local_rope_theta": meta("rope.freq_base_swa", 10_000.0 if period == 6 else None),
             "embedding_scale": config.hidden_size ** 0.5}
 
 
-def _gemma3_gguf(config: ModelConfig) -> Switches:
-    # llama.cpp: 5 sliding layers to 1 global, the sliding ones with RoPE base 10000 (fixed in its code);
-    # the query scale 1/sqrt(head_dim), as for every Gemma 3 but the 27B.
-    return {**_gemma2_gguf(config), "sliding_layers": [i for i in range(config.num_hidden_layers) if i % 6 != 5],
-            "local_rope_theta": 10_000.0}
+def _gemma2_gguf(config: ModelConfig, meta: Metadata) -> Switches:
+    return _gemma_gguf(config, meta, period=2)
+
+
+def _gemma3_gguf(config: ModelConfig, meta: Metadata) -> Switches:
+    return _gemma_gguf(config, meta, period=6)
 
 
 def _phi3_hf(cfg: dict) -> Switches:
@@ -112,8 +128,8 @@ def _smollm3_hf(cfg: dict) -> Switches:
     return {"nope_layers": [i for i, uses_rope in enumerate(flags) if not uses_rope], **_sliding_if_used(cfg)}
 
 
-def _smollm3_gguf(config: ModelConfig) -> Switches:
-    # llama.cpp: no RoPE on every 4th layer (fixed in its code, not in the file).
+def _smollm3_gguf(config: ModelConfig, meta: Metadata) -> Switches:
+    # llama.cpp: no RoPE on every 4th layer (fixed in its code; the converter writes no key for it).
     return {"nope_layers": [i for i in range(config.num_hidden_layers) if (i + 1) % 4 == 0]}
 
 
