@@ -20,7 +20,9 @@ from tests.helpers import HFGreedy, assert_idle, greedy
 
 CHAT_PROMPTS = ["Write a Python function that reverses a string.", "What does `git rebase` do?",
                 "Fix the bug: def add(a, b): return a - b"]
-SCORED_TOKENS = 2048  # teacher-forced positions, in chunks of CHUNK
+# Teacher-forced positions, in chunks of CHUNK. At 1,024 (measured 2026-12-02 at 1,024 and at 2,048): perplexity
+# +0.34 % (+0.20 %), top-1 agreement 0.62 (0.91) points above the bound: the same verdicts at half the time.
+SCORED_TOKENS = 1024
 CHUNK = 512
 
 
@@ -62,7 +64,7 @@ def test_quantized_path_quality_against_the_dequantized_one(real_gguf: Path, deq
     def agreement(a: Any) -> float:
         return sum(x == y for x, y in zip(a.top1, reference.top1)) / len(reference.top1)
 
-    assert len(reference.logprobs) >= 2000
+    assert len(reference.logprobs) >= 1000
     assert abs(quantized.perplexity / reference.perplexity - 1) < 0.01, (quantized.perplexity, reference.perplexity)
     assert agreement(quantized) >= agreement(floor) - 0.015, (agreement(quantized), agreement(floor))
 
