@@ -21,44 +21,67 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "lora.h"
 #include "simd.h"
-
-#define LORA_LANES 16      /* rank padding: a multiple of every target's LANES */
-#define LORA_CHUNK 64      /* expand: output columns per pass */
-#define LORA_TILE 4        /* rows of one segment that share each weight load */
-#define MAX_LORA_RANK 1536 /* a fused q/k/v's three ranks of at most 512 each, padded */
 
 /* shrink: t[i][j] = sum_k x[i][k] AT[k][j]; expand_chunk: d[i][c] = sum_{j in [lo, hi)} t[i][j] BT[j][i0 + c].
  * The weights are in the model's dtype (W), read as float32 vectors (WVEC) or scalars (WLOAD). */
 #if defined(SIMD)
+/* Each row's sums over one strip of LORA_LANES lanes stay in registers for the whole k (or j) loop:
+ * m rows times STRIP vectors. The *_rows functions are inlined with m a constant (the switches below),
+ * so that the accumulators are registers; a lane gets the same fmas in the same order either way. */
+#define STRIP (LORA_LANES / LANES)
+_Static_assert(LORA_TILE == 4, "shrink_ and expand_chunk_ switch over the row counts 1 .. LORA_TILE");
 #define DEFINE_PRODUCTS(S, W, WVEC, WLOAD)                                                                 \
-static inline void shrink_##S(const float *x, int64_t m, int64_t k, const W *at, int64_t rank, float *t) {  \
-    for (int64_t i = 0; i < m; i++)                                                                        \
-        for (int64_t j = 0; j < rank; j += LANES) vec_store(t + i * rank + j, vec_zero());                 \
-    for (int64_t kk = 0; kk < k; kk++) {                                                                   \
-        const W *row = at + kk * rank;                                                                     \
-        for (int64_t j = 0; j < rank; j += LANES) {                                                        \
-            const vec w = WVEC(row + j);                                                                   \
-            for (int64_t i = 0; i < m; i++) {                                                              \
-                float *ti = t + i * rank + j;                                                              \
-                vec_store(ti, vec_fmadd(vec_set1(x[i * k + kk]), w, vec_load(ti)));                        \
+static inline __attribute__((always_inline)) void shrink_rows_##S(const float *x, const int m, int64_t k,  \
+                                                                  const W *at, int64_t rank, float *t) {   \
+    for (int64_t j = 0; j < rank; j += LORA_LANES) {                                                       \
+        vec acc[LORA_TILE][STRIP];                                                                         \
+        for (int i = 0; i < m; i++)                                                                        \
+            for (int v = 0; v < STRIP; v++) acc[i][v] = vec_zero();                                        \
+        for (int64_t kk = 0; kk < k; kk++) {                                                               \
+            const W *row = at + kk * rank + j;                                                             \
+            for (int v = 0; v < STRIP; v++) {                                                              \
+                const vec w = WVEC(row + v * LANES);                                                       \
+                for (int i = 0; i < m; i++) acc[i][v] = vec_fmadd(vec_set1(x[i * k + kk]), w, acc[i][v]);  \
             }                                                                                              \
         }                                                                                                  \
+        for (int i = 0; i < m; i++)                                                                        \
+            for (int v = 0; v < STRIP; v++) vec_store(t + i * rank + j + v * LANES, acc[i][v]);            \
+    }                                                                                                      \
+}                                                                                                          \
+static inline void shrink_##S(const float *x, int64_t m, int64_t k, const W *at, int64_t rank, float *t) {  \
+    switch (m) {                                                                                           \
+    case 1: shrink_rows_##S(x, 1, k, at, rank, t); break;                                                  \
+    case 2: shrink_rows_##S(x, 2, k, at, rank, t); break;                                                  \
+    case 3: shrink_rows_##S(x, 3, k, at, rank, t); break;                                                  \
+    default: shrink_rows_##S(x, 4, k, at, rank, t);                                                        \
+    }                                                                                                      \
+}                                                                                                          \
+static inline __attribute__((always_inline)) void expand_rows_##S(const float *t, const int m, int64_t rank, \
+        const W *bt, int64_t n_pad, int64_t i0, int64_t lo, int64_t hi, float *d) {                        \
+    for (int c0 = 0; c0 < LORA_CHUNK; c0 += LORA_LANES) {                                                  \
+        vec acc[LORA_TILE][STRIP];                                                                         \
+        for (int i = 0; i < m; i++)                                                                        \
+            for (int v = 0; v < STRIP; v++) acc[i][v] = vec_zero();                                        \
+        for (int64_t j = lo; j < hi; j++) {                                                                \
+            const W *row = bt + j * n_pad + i0 + c0;                                                       \
+            for (int v = 0; v < STRIP; v++) {                                                              \
+                const vec w = WVEC(row + v * LANES);                                                       \
+                for (int i = 0; i < m; i++) acc[i][v] = vec_fmadd(vec_set1(t[i * rank + j]), w, acc[i][v]); \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < m; i++)                                                                        \
+            for (int v = 0; v < STRIP; v++) vec_store(d + i * LORA_CHUNK + c0 + v * LANES, acc[i][v]);     \
     }                                                                                                      \
 }                                                                                                          \
 static inline void expand_chunk_##S(const float *t, int64_t m, int64_t rank, const W *bt, int64_t n_pad,     \
                                     int64_t i0, int64_t lo, int64_t hi, float *d) {                        \
-    for (int64_t i = 0; i < m; i++)                                                                        \
-        for (int v = 0; v < LORA_CHUNK; v += LANES) vec_store(d + i * LORA_CHUNK + v, vec_zero());         \
-    for (int64_t j = lo; j < hi; j++) {                                                                    \
-        const W *row = bt + j * n_pad + i0;                                                                \
-        for (int v = 0; v < LORA_CHUNK; v += LANES) {                                                      \
-            const vec w = WVEC(row + v);                                                                   \
-            for (int64_t i = 0; i < m; i++) {                                                              \
-                float *di = d + i * LORA_CHUNK + v;                                                        \
-                vec_store(di, vec_fmadd(vec_set1(t[i * rank + j]), w, vec_load(di)));                      \
-            }                                                                                              \
-        }                                                                                                  \
+    switch (m) {                                                                                           \
+    case 1: expand_rows_##S(t, 1, rank, bt, n_pad, i0, lo, hi, d); break;                                  \
+    case 2: expand_rows_##S(t, 2, rank, bt, n_pad, i0, lo, hi, d); break;                                  \
+    case 3: expand_rows_##S(t, 3, rank, bt, n_pad, i0, lo, hi, d); break;                                  \
+    default: expand_rows_##S(t, 4, rank, bt, n_pad, i0, lo, hi, d);                                       \
     }                                                                                                      \
 }
 #else
