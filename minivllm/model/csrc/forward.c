@@ -106,14 +106,14 @@ typedef struct {
                                             const int64_t *blocks, const int64_t *offsets, int64_t tokens, \
                                             int64_t kv_heads, int64_t head_dim, int64_t block_size,      \
                                             void *k_cache, void *v_cache, float *k_scale, float *v_scale, \
-                                            float inv_qmax, float qmax);
+                                            float inv_qmax, float qmax);                                 \
     void lora_##S(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t k, int64_t n,        \
                   int64_t n_pad, int64_t num_segments, const int64_t *starts, const int64_t *lens,       \
                   const int64_t *weights);
 
 #define DEFINE_FORWARD(S, T, W)                                                                          \
 DECLARE_KERNELS(S, T, W)                                                                                 \
-
+                                                                                                         \
 /* out = x W^T (+ bias), then the step's adapters on their rows; `target` indexes StepDesc.lora_weights. */ \
 static void linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M, const StepDesc *s, int64_t target) { \
     if (!l->num_segments)                                                                                \
@@ -126,13 +126,13 @@ static void linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M, const
     if (s->lora_segments)                                                                                \
         lora_##S(x, l->k, out, l->n, l->k, l->n, (l->n + LORA_CHUNK - 1) / LORA_CHUNK * LORA_CHUNK,      \
                  s->lora_segments, s->lora_starts, s->lora_lens, s->lora_weights + target * s->lora_segments * 4); \
-}
-
+}                                                                                                        \
+                                                                                                         \
 /* x *= scale, rounded to T: Granite's residual multiplier, as torch multiplies a tensor by a float. */     \
 static void scale_##S(T *x, int64_t n, float scale) {                                                    \
     for (int64_t i = 0; i < n; i++) x[i] = STORE_##S(LOAD_##S(x[i]) * scale);                             \
-}
-
+}                                                                                                        \
+                                                                                                         \
 /* A block's output as it joins the residual stream: normed first where the layer has Gemma's norm       \
  * after it (into `buffer`), times the residual multiplier where it is not 1. */                        \
 static T *sandwich_##S(const void *norm, T *x, T *buffer, const ModelDesc *m, int64_t M) {               \
@@ -142,8 +142,8 @@ static T *sandwich_##S(const void *norm, T *x, T *buffer, const ModelDesc *m, in
     }                                                                                                    \
     if (m->residual_scale != 1.f) scale_##S(x, M * m->hidden, m->residual_scale);                         \
     return x;                                                                                            \
-}
-
+}                                                                                                        \
+                                                                                                         \
 /* residual [tokens, hidden]: the embeddings in, the residual stream after the last layer out;           \
  * out [tokens, hidden]: the final norm's output (what decoder.py's forward returns). */                 \
 void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *out) {                    \
