@@ -105,15 +105,16 @@ def assert_idle(engine: LLMEngine) -> None:
     bm.check_invariants([])
 
 
-def layer_loop_outputs(llm: LLM, native: bool, lora_request: Any = None) -> list[Any]:
-    """Greedy tokens and logprobs of EQUALITY_PROMPTS (in one batch; `lora_request` as LLM.generate takes
-    it) through the native layer loop (csrc/forward.c) or, native=False, decoder.py's Python loop."""
+def layer_loop_outputs(llm: LLM, native: bool, lora_request: Any = None, prompts: list[str] = EQUALITY_PROMPTS,
+                       max_tokens: int = 12) -> list[Any]:
+    """Greedy tokens and logprobs of `prompts` (in one batch; `lora_request` as LLM.generate takes it)
+    through the native layer loop (csrc/forward.c) or, native=False, decoder.py's Python loop."""
     model = llm.engine.runner.model
     saved = model.native_forward
     model.native_forward = saved if native else None
     try:
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-        outs = llm.generate(EQUALITY_PROMPTS, params, use_tqdm=False, lora_request=lora_request)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     finally:
         model.native_forward = saved
     assert_idle(llm.engine)

@@ -188,15 +188,15 @@ def test_prefix_cache_keeps_adapters_apart(bf16_llm: LLM, adapters: list[LoRAReq
 def test_native_layer_loop_adds_adapters_as_the_python_loop(base: str, adapters: list[LoRARequest],
                                                             request: pytest.FixtureRequest) -> None:
     """csrc/forward.c adds a step's adapters with the same bits as the Python loop's lora hooks: one batch
-    mixing three adapters and the base, prefills beside decodes."""
+    mixing three adapters and the base (one prompt both with and without an adapter), prefills and decodes."""
     llm = request.getfixturevalue(base)
     if llm.engine.runner.model.native_forward is None:
         pytest.skip("no native layer loop here (no compiler, no simd.h section for the CPU, or MINIVLLM_NO_KERNELS)")
-    loras = [None, adapters[0], adapters[1], adapters[0], adapters[2], None]
-    native = layer_loop_outputs(llm, True, loras)
-    assert native == layer_loop_outputs(llm, False, loras)
-    base_tokens = [tokens for tokens, _ in layer_loop_outputs(llm, True)]
-    assert [tokens for tokens, _ in native] != base_tokens, "the adapters should change the output"
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], EQUALITY_PROMPTS[0], PROMPTS[1]]
+    loras = [None, adapters[0], adapters[1], adapters[0], adapters[2]]
+    native = layer_loop_outputs(llm, True, loras, prompts, max_tokens=4)
+    assert native == layer_loop_outputs(llm, False, loras, prompts, max_tokens=4)
+    assert native[0] != native[1], "the adapter should change the output"
 
 
 def test_kernel_matches_twin_and_is_batch_invariant(bf16_llm: LLM, f32_llm: LLM,
