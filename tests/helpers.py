@@ -10,6 +10,7 @@ import numpy as np
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from minivllm import LLM
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.outputs import RequestOutput
 
@@ -102,6 +103,22 @@ def assert_idle(engine: LLMEngine) -> None:
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
     bm.check_invariants([])
+
+
+def layer_loop_outputs(llm: LLM, native: bool, lora_request: Any = None, prompts: list[str] = EQUALITY_PROMPTS,
+                       max_tokens: int = 12) -> list[Any]:
+    """Greedy tokens and logprobs of `prompts` (in one batch; `lora_request` as LLM.generate takes it)
+    through the native layer loop (csrc/forward.c) or, native=False, decoder.py's Python loop."""
+    model = llm.engine.runner.model
+    saved = model.native_forward
+    model.native_forward = saved if native else None
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+    finally:
+        model.native_forward = saved
+    assert_idle(llm.engine)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 def drain(engine: LLMEngine) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from minivllm import LLM, LoRARequest
 from minivllm.lora.adapter import PEFT_CONFIG, PEFT_WEIGHTS, PROJECTIONS, read_adapter
-from tests.helpers import EQUALITY_PROMPTS, LONG_PROMPT, HFGreedy, assert_idle, greedy
+from tests.helpers import EQUALITY_PROMPTS, LONG_PROMPT, HFGreedy, assert_idle, greedy, layer_loop_outputs
 
 RANK, NUM_TOKENS = 8, 8
 PROMPTS = EQUALITY_PROMPTS[1:3]
@@ -182,6 +182,21 @@ def test_prefix_cache_keeps_adapters_apart(bf16_llm: LLM, adapters: list[LoRAReq
     assert tokens(bf16_llm, [prompt], adapters[0], n=2) == first
     assert bm.prefix_hits >= hits + 3 * bm.block_size, "the same adapter and prompt should hit its blocks"
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("base", ["bf16_llm", "f32_llm"])  # the GGUF's quantized GEMMs; the float GEMM
+def test_native_layer_loop_adds_adapters_as_the_python_loop(base: str, adapters: list[LoRARequest],
+                                                            request: pytest.FixtureRequest) -> None:
+    """csrc/forward.c adds a step's adapters with the same bits as the Python loop's lora hooks: one batch
+    mixing three adapters and the base (one prompt both with and without an adapter), prefills and decodes."""
+    llm = request.getfixturevalue(base)
+    if llm.engine.runner.model.native_forward is None:
+        pytest.skip("no native layer loop here (no compiler, no simd.h section for the CPU, or MINIVLLM_NO_KERNELS)")
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], EQUALITY_PROMPTS[0], PROMPTS[1]]
+    loras = [None, adapters[0], adapters[1], adapters[0], adapters[2]]
+    native = layer_loop_outputs(llm, True, loras, prompts, max_tokens=4)
+    assert native == layer_loop_outputs(llm, False, loras, prompts, max_tokens=4)
+    assert native[0] != native[1], "the adapter should change the output"
 
 
 def test_kernel_matches_twin_and_is_batch_invariant(bf16_llm: LLM, f32_llm: LLM,

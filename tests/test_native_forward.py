@@ -2,27 +2,12 @@
 over the same native kernels: logprobs and tokens, with decodes, prefill chunks and padding in one step."""
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM
 from minivllm.model.kernels import report
-from tests.helpers import EQUALITY_PROMPTS, assert_idle, cpu_targets
-
-
-def run(llm: LLM, native: bool) -> list[Any]:
-    model = llm.engine.runner.model
-    saved = model.native_forward
-    model.native_forward = saved if native else None
-    try:
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-        outs = llm.generate(EQUALITY_PROMPTS, params, use_tqdm=False)
-    finally:
-        model.native_forward = saved
-    assert_idle(llm.engine)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+from tests.helpers import cpu_targets, layer_loop_outputs
 
 
 @pytest.mark.parametrize("dtype,engine_args", [
@@ -34,7 +19,7 @@ def test_native_layer_loop_equals_python_loop(dtype: str, engine_args: dict) -> 
     llm = LLM(dtype=dtype, num_kv_blocks=128, enable_prefix_caching=False, **engine_args)
     if llm.engine.runner.model.native_forward is None:
         pytest.skip("no native layer loop here (no compiler, no simd.h section for the CPU, or MINIVLLM_NO_KERNELS)")
-    assert run(llm, native=True) == run(llm, native=False)
+    assert layer_loop_outputs(llm, native=True) == layer_loop_outputs(llm, native=False)
 
 
 @pytest.mark.parametrize("target", cpu_targets()[1:])
@@ -49,7 +34,7 @@ def test_smaller_targets_run_the_layer_loop_natively(target: str, monkeypatch: p
     assert line.startswith(f"minivllm: kernels for {target} (avx2") and line.endswith("; torch for: nothing")
     assert capfd.readouterr().err.splitlines().count(line) == 1
     assert llm.engine.runner.model.native_forward is not None
-    assert run(llm, native=True) == run(llm, native=False)
+    assert layer_loop_outputs(llm, native=True) == layer_loop_outputs(llm, native=False)
 
 
 def _c_structs() -> dict[str, list[tuple[str, str]]]:

@@ -9,6 +9,7 @@
 #       per-request "lora": [{"id", "scale"}]) (target: minivllm >= 3x llama-server's total throughput)
 #   (c) an adapter loaded at runtime (POST /v1/load_lora_adapter): the load's time, and the TTFT of its first
 #       request vs a request to an adapter already loaded
+#   SKIP_LLAMA=1 runs minivllm alone ((a) and (c)), without converting the adapters for llama.cpp.
 # Results: /work/runs/lora_bench_out/ (bench JSONs, server logs, summary.md). Ports 8451-8459.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)  # before the cd below: servers.sh lies beside this script
@@ -77,7 +78,7 @@ for i in range(9):
 print("adapters written")
 EOF
 for i in 0 1 2 3 4 5 6 7; do
-  [ -f "$ADAPTERS/a$i.gguf" ] || $PY -c "
+  [ -n "${SKIP_LLAMA:-}" ] || [ -f "$ADAPTERS/a$i.gguf" ] || $PY -c "
 import sys; sys.path.insert(0, '$REPO')
 from pathlib import Path
 from tests.llama_cpp import convert_lora
@@ -128,7 +129,9 @@ fi
 
 fi
 # -- (b) llama-server with the 8 GGUF adapters --------------------------------------------------------------
-if [ -x "$LLAMA_SERVER" ]; then
+if [ -n "${SKIP_LLAMA:-}" ]; then
+  log "SKIP_LLAMA: no llama-server run"
+elif [ -x "$LLAMA_SERVER" ]; then
   LORAS=""
   for n in $NAMES; do LORAS="$LORAS --lora $ADAPTERS/$n.gguf"; done
   log "llama-server ($LLAMA_SERVER) with 8 adapters"

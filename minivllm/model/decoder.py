@@ -305,9 +305,8 @@ class CausalLM(nn.Module):
         if self.config.embedding_scale != 1.0:  # Gemma: sqrt(hidden) rounded to the dtype first, as transformers
             residual = residual * torch.tensor(self.config.embedding_scale, dtype=residual.dtype)
         ropes = [rotary(positions) for rotary in self.rotaries]
-        # A step with adapter rows runs the Python loop, whose linear layers add them (the same bits otherwise).
-        if self.native_forward is not None and meta.kernel is not None and not (self.lora and self.lora.active):
-            return self.native_forward(residual, ropes, kv_caches, meta)
+        if self.native_forward is not None and meta.kernel is not None:  # adapters' rows too (their native kernel)
+            return self.native_forward(residual, ropes, kv_caches, meta, self.lora)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             delta = layer(delta, residual, ropes, kv_cache, meta)

@@ -308,7 +308,7 @@ def forward_layers(device: torch.device, dtype: torch.dtype):
     return None if lib is None else getattr(lib, f"forward_layers_{_DTYPE_SUFFIX[dtype]}", None)
 
 
-LORA_LANES, LORA_CHUNK = 16, 64  # csrc/lora.c: rank and column padding
+LORA_LANES, LORA_CHUNK = 16, 64  # csrc/lora.h: rank and column padding
 MAX_LORA_RANK = 512  # per projection: a fused q/k/v's three fill csrc/lora.c's buffer of 1536
 
 

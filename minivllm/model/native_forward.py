@@ -5,13 +5,16 @@ few microseconds of ctypes, views and allocations; at one sequence on a 135M mod
 time as the arithmetic. `NativeForward` describes the model once (weights, norms, shapes as C structs)
 and then runs all layers of a step in one call to the same kernels in the same order: the same bits
 as the Python loop, which stays the readable reference and the path for what this one does not cover
-(the torch twins, tensor-parallel ranks). Every family switch the registry knows is covered (forward.c's
-LayerDesc and ModelDesc); the structs below mirror forward.c's field for field, which
-tests/test_native_forward.py checks against the C source.
+(the torch twins, tensor-parallel ranks). A step with LoRA adapters passes their segments along (the
+arrays of lora/layers.py's LoRAContext), and forward.c adds them after each linear as the Python loop's
+hooks do. Every family switch the registry knows is covered (forward.c's LayerDesc and ModelDesc); the
+structs below mirror forward.c's field for field, which tests/test_native_forward.py checks against the
+C source.
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -55,7 +58,8 @@ class _Step(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("tokens", "real_tokens", "spans", "max_blocks")] + [
         ("cos", _PTR * NUM_ROPES), ("sin", _PTR * NUM_ROPES)] + [
         (name, _PTR) for name in ("slot_blocks", "slot_offsets", "block_tables", "span_starts", "span_lens",
-                                  "span_ctx0", "k_caches", "v_caches", "k_scales", "v_scales")]
+                                  "span_ctx0", "k_caches", "v_caches", "k_scales", "v_scales")] + [
+        ("lora_segments", _I64), ("lora_starts", _PTR), ("lora_lens", _PTR), ("lora_weights", _PTR)]
 
 
 def _linear(module) -> _Linear:
@@ -105,7 +109,9 @@ class NativeForward:
         self._caches: tuple[list, list[ctypes.Array | None]] | None = None
 
     def __call__(self, residual: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
-                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                 kv_caches: list[KVCache], meta: AttentionMetadata, lora: Any = None) -> torch.Tensor:
+        """`lora`: the model's LoRAContext (lora/layers.py) where adapters serve on it; a step with
+        adapter rows passes its segments to forward.c."""
         k_ptrs, v_ptrs, k_scales, v_scales = self._cache_pointers(kv_caches)
         self._model.block_size = kv_caches[0].k.shape[3]
         self._model.attention = _address(meta.kernel)  # the pool format's kernel (runner.attention_kernel)
@@ -117,6 +123,10 @@ class NativeForward:
                      meta.block_tables.data_ptr(), meta.span_starts.data_ptr(), meta.span_lens.data_ptr(),
                      meta.span_ctx0.data_ptr(), ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs),
                      k_scales and ctypes.addressof(k_scales), v_scales and ctypes.addressof(v_scales))
+        if lora is not None and lora.active:
+            step.lora_segments = len(lora.segments)
+            step.lora_starts, step.lora_lens = lora.starts.data_ptr(), lora.lens.data_ptr()
+            step.lora_weights = lora.weights.data_ptr()
         out = torch.empty_like(residual)
         self._function(ctypes.byref(self._model), ctypes.byref(step), residual.data_ptr(), out.data_ptr())
         return out

@@ -13,6 +13,9 @@
  * The family switches (model_config.py) that a layer reads are in its description: q/k norms, which
  * rotary table (or none), its sliding window, Gemma's norms after attention and after the MLP; the
  * model's: partial rotary, the activation, the attention softcap, Granite's residual multiplier.
+ * A step serving LoRA adapters passes its segments (runs of rows of one adapter, as lora/layers.py's
+ * LoRAContext makes them): each linear adds them with lora.c's kernel right after its GEMM, as
+ * decoder.Linear's lora hook does in the Python loop.
  * native_forward.py mirrors these structs field for field (tests/test_native_forward.py compares them).
  */
 #include <stdint.h>
@@ -20,6 +23,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "lora.h"
 #include "simd.h"
 
 #define MAX_SEGMENTS 3  /* a fused q/k/v in three formats */
@@ -66,7 +70,14 @@ typedef struct {
     const int64_t *slot_blocks, *slot_offsets, *block_tables, *span_starts, *span_lens, *span_ctx0;
     void *const *k_caches, *const *v_caches;  /* one per layer */
     void *const *k_scales, *const *v_scales;  /* one per layer for a quantized pool, else NULL */
+    int64_t lora_segments;  /* the step's runs of rows of one adapter, or 0: no adapters */
+    const int64_t *lora_starts, *lora_lens;  /* per segment: its first row and its rows */
+    /* lora.c's 4 words per segment (AT, BT, bands, padded rank) of each target, [target][segment][4];
+     * target = layer * LORA_TARGETS + (0 qkv, 1 o, 2 gate_up, 3 down), lora/manager.py's model_targets order */
+    const int64_t *lora_weights;
 } StepDesc;
+
+#define LORA_TARGETS 4  /* the adaptable linears of a layer */
 
 #define DECLARE_KERNELS(S, T, W)                                                                         \
     void gemm_##S(const T *x, int64_t ldx, const W *w, const float *bias, T *out, int64_t ldo,          \
@@ -95,21 +106,26 @@ typedef struct {
                                             const int64_t *blocks, const int64_t *offsets, int64_t tokens, \
                                             int64_t kv_heads, int64_t head_dim, int64_t block_size,      \
                                             void *k_cache, void *v_cache, float *k_scale, float *v_scale, \
-                                            float inv_qmax, float qmax);
+                                            float inv_qmax, float qmax);                                 \
+    void lora_##S(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t k, int64_t n,        \
+                  int64_t n_pad, int64_t num_segments, const int64_t *starts, const int64_t *lens,       \
+                  const int64_t *weights);
 
 #define DEFINE_FORWARD(S, T, W)                                                                          \
 DECLARE_KERNELS(S, T, W)                                                                                 \
                                                                                                          \
-static void linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {                             \
-    if (!l->num_segments) {                                                                              \
+/* out = x W^T (+ bias), then the step's adapters on their rows; `target` indexes StepDesc.lora_weights. */ \
+static void linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M, const StepDesc *s, int64_t target) { \
+    if (!l->num_segments)                                                                                \
         gemm_##S(x, l->k, (const W *)l->weight, l->bias, out, l->n, M, l->n, l->k);                      \
-        return;                                                                                          \
-    }                                                                                                    \
     for (int64_t i = 0, offset = 0; i < l->num_segments; offset += l->segments[i++].n) {                 \
         const SegmentDesc *seg = &l->segments[i];                                                        \
         qgemm_##S(x, l->k, (const uint8_t *)seg->weight, (int)seg->qtype, l->bias ? l->bias + offset : NULL, \
                   out + offset, l->n, M, seg->n, l->k);                                                  \
     }                                                                                                    \
+    if (s->lora_segments)                                                                                \
+        lora_##S(x, l->k, out, l->n, l->k, l->n, (l->n + LORA_CHUNK - 1) / LORA_CHUNK * LORA_CHUNK,      \
+                 s->lora_segments, s->lora_starts, s->lora_lens, s->lora_weights + target * s->lora_segments * 4); \
 }                                                                                                        \
                                                                                                          \
 /* x *= scale, rounded to T: Granite's residual multiplier, as torch multiplies a tensor by a float. */     \
@@ -143,7 +159,7 @@ void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *o
         float *ks = s->k_scales ? (float *)s->k_scales[i] : NULL;                                        \
         float *vs = s->v_scales ? (float *)s->v_scales[i] : NULL;                                        \
         add_rms_norm_##S(pending, residual, (const T *)L->input_norm, normed, M, m->hidden, m->eps);     \
-        linear_##S(&L->qkv, normed, qkv, M);                                                             \
+        linear_##S(&L->qkv, normed, qkv, M, s, i * LORA_TARGETS);                                        \
         if (L->q_norm) {                                                                                 \
             head_rms_norm_##S(qkv, qkv_width, M, m->heads, m->head_dim, (const T *)L->q_norm, m->eps);   \
             head_rms_norm_##S(qkv + q_size, qkv_width, M, m->kv_heads, m->head_dim, (const T *)L->k_norm, m->eps); \
@@ -163,12 +179,12 @@ void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *o
         ((attention_##S##_fn)m->attention)(qkv, qkv_width, kc, vc, ks, vs, s->block_tables, s->max_blocks, \
                             s->span_starts, s->span_lens, s->span_ctx0, s->spans, m->heads, m->kv_heads, \
                             m->head_dim, m->block_size, m->scale, L->window, m->softcap, attn);          \
-        linear_##S(&L->o, attn, delta, M);                                                               \
+        linear_##S(&L->o, attn, delta, M, s, i * LORA_TARGETS + 1);                                      \
         pending = sandwich_##S(L->attn_out_norm, delta, sandwiched, m, M);                               \
         add_rms_norm_##S(pending, residual, (const T *)L->post_norm, normed, M, m->hidden, m->eps);      \
-        linear_##S(&L->gate_up, normed, gate_up, M);                                                     \
+        linear_##S(&L->gate_up, normed, gate_up, M, s, i * LORA_TARGETS + 2);                            \
         (m->act ? gelu_tanh_and_mul_##S : silu_and_mul_##S)(gate_up, act, M, m->inter);                  \
-        linear_##S(&L->down, act, delta, M);                                                             \
+        linear_##S(&L->down, act, delta, M, s, i * LORA_TARGETS + 3);                                    \
         pending = sandwich_##S(L->mlp_out_norm, delta, sandwiched, m, M);                                \
     }                                                                                                    \
     add_rms_norm_##S(pending, residual, (const T *)m->final_norm, out, M, m->hidden, m->eps);            \

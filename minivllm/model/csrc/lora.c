@@ -21,45 +21,51 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "lora.h"
 #include "simd.h"
-
-#define LORA_LANES 16      /* rank padding: a multiple of every target's LANES */
-#define LORA_CHUNK 64      /* expand: output columns per pass */
-#define LORA_TILE 4        /* rows of one segment that share each weight load */
-#define MAX_LORA_RANK 1536 /* a fused q/k/v's three ranks of at most 512 each, padded */
 
 /* shrink: t[i][j] = sum_k x[i][k] AT[k][j]; expand_chunk: d[i][c] = sum_{j in [lo, hi)} t[i][j] BT[j][i0 + c].
  * The weights are in the model's dtype (W), read as float32 vectors (WVEC) or scalars (WLOAD). */
 #if defined(SIMD)
+/* Both products are one strip product: for rows i < m and the LORA_LANES lanes of a strip of w,
+ *   out[i][c] = sum_{p in [from, to)} a[i][p] w[p][c], one fma per p in p order,
+ * with each row's STRIP vectors of sums in registers for the whole loop (strip_rows_ is inlined with m
+ * a constant, the switch of strip_): a lane gets the same fmas in the same order as a sum kept in memory.
+ * shrink: a = x, w = AT's strip j, p over k; expand: a = t, w = BT's columns i0 + c0, p over the band. */
+#define STRIP (LORA_LANES / LANES)
+_Static_assert(LORA_TILE == 4, "strip_ switches over the row counts 1 .. LORA_TILE");
 #define DEFINE_PRODUCTS(S, W, WVEC, WLOAD)                                                                 \
-static inline void shrink_##S(const float *x, int64_t m, int64_t k, const W *at, int64_t rank, float *t) {  \
-    for (int64_t i = 0; i < m; i++)                                                                        \
-        for (int64_t j = 0; j < rank; j += LANES) vec_store(t + i * rank + j, vec_zero());                 \
-    for (int64_t kk = 0; kk < k; kk++) {                                                                   \
-        const W *row = at + kk * rank;                                                                     \
-        for (int64_t j = 0; j < rank; j += LANES) {                                                        \
-            const vec w = WVEC(row + j);                                                                   \
-            for (int64_t i = 0; i < m; i++) {                                                              \
-                float *ti = t + i * rank + j;                                                              \
-                vec_store(ti, vec_fmadd(vec_set1(x[i * k + kk]), w, vec_load(ti)));                        \
-            }                                                                                              \
+static inline __attribute__((always_inline)) void strip_rows_##S(const float *a, int64_t a_stride, const int m, \
+        const W *w, int64_t w_stride, int64_t from, int64_t to, float *out, int64_t out_stride) {           \
+    vec acc[LORA_TILE][STRIP];                                                                             \
+    for (int i = 0; i < m; i++)                                                                            \
+        for (int v = 0; v < STRIP; v++) acc[i][v] = vec_zero();                                            \
+    for (int64_t p = from; p < to; p++) {                                                                  \
+        const W *row = w + p * w_stride;                                                                   \
+        for (int v = 0; v < STRIP; v++) {                                                                  \
+            const vec wv = WVEC(row + v * LANES);                                                          \
+            for (int i = 0; i < m; i++) acc[i][v] = vec_fmadd(vec_set1(a[i * a_stride + p]), wv, acc[i][v]); \
         }                                                                                                  \
     }                                                                                                      \
+    for (int i = 0; i < m; i++)                                                                            \
+        for (int v = 0; v < STRIP; v++) vec_store(out + i * out_stride + v * LANES, acc[i][v]);            \
+}                                                                                                          \
+static inline void strip_##S(const float *a, int64_t a_stride, int64_t m, const W *w, int64_t w_stride,    \
+                             int64_t from, int64_t to, float *out, int64_t out_stride) {                   \
+    switch (m) {                                                                                           \
+    case 1: strip_rows_##S(a, a_stride, 1, w, w_stride, from, to, out, out_stride); break;                 \
+    case 2: strip_rows_##S(a, a_stride, 2, w, w_stride, from, to, out, out_stride); break;                 \
+    case 3: strip_rows_##S(a, a_stride, 3, w, w_stride, from, to, out, out_stride); break;                 \
+    default: strip_rows_##S(a, a_stride, 4, w, w_stride, from, to, out, out_stride);                       \
+    }                                                                                                      \
+}                                                                                                          \
+static inline void shrink_##S(const float *x, int64_t m, int64_t k, const W *at, int64_t rank, float *t) {  \
+    for (int64_t j = 0; j < rank; j += LORA_LANES) strip_##S(x, k, m, at + j, rank, 0, k, t + j, rank);     \
 }                                                                                                          \
 static inline void expand_chunk_##S(const float *t, int64_t m, int64_t rank, const W *bt, int64_t n_pad,     \
                                     int64_t i0, int64_t lo, int64_t hi, float *d) {                        \
-    for (int64_t i = 0; i < m; i++)                                                                        \
-        for (int v = 0; v < LORA_CHUNK; v += LANES) vec_store(d + i * LORA_CHUNK + v, vec_zero());         \
-    for (int64_t j = lo; j < hi; j++) {                                                                    \
-        const W *row = bt + j * n_pad + i0;                                                                \
-        for (int v = 0; v < LORA_CHUNK; v += LANES) {                                                      \
-            const vec w = WVEC(row + v);                                                                   \
-            for (int64_t i = 0; i < m; i++) {                                                              \
-                float *di = d + i * LORA_CHUNK + v;                                                        \
-                vec_store(di, vec_fmadd(vec_set1(t[i * rank + j]), w, vec_load(di)));                      \
-            }                                                                                              \
-        }                                                                                                  \
-    }                                                                                                      \
+    for (int c0 = 0; c0 < LORA_CHUNK; c0 += LORA_LANES)                                                    \
+        strip_##S(t, rank, m, bt + i0 + c0, n_pad, lo, hi, d + c0, LORA_CHUNK);                            \
 }
 #else
 #define DEFINE_PRODUCTS(S, W, WVEC, WLOAD)                                                                 \
