@@ -70,15 +70,20 @@ class ModelRunner:
         rows: list[tuple[int, int, int]] = []  # (first row, rows, context of the first query)
         first_row: dict[int, int] = {}  # id(span) -> its first row in the packed batch
         bs = self.block_size
-        for span in spans:
+        for span in spans:  # runs per sequence per step
             start, n, table = span.start, len(span.token_ids), span.block_table
             first_row[id(span)] = len(ids)
             rows.append((len(ids), n, start + 1))
             ids += span.token_ids
-            positions = range(start, start + n)
-            pos += positions
-            slot_blocks += [table[p // bs] for p in positions]
-            slot_offsets += [p % bs for p in positions]
+            if n == 1:  # a decode: most spans
+                pos.append(start)
+                slot_blocks.append(table[start // bs])
+                slot_offsets.append(start % bs)
+            else:
+                positions = range(start, start + n)
+                pos += positions
+                slot_blocks += [table[p // bs] for p in positions]
+                slot_offsets += [p % bs for p in positions]
         ids += [0] * batch.num_padding_tokens
         pos += [0] * batch.num_padding_tokens
 
