@@ -2,8 +2,6 @@
 runner's BatchInputs, and the sequences that sample as the sampler's rows."""
 from __future__ import annotations
 
-import torch
-
 from minivllm.engine.scheduler import SchedulerOutput, prompt_logprob_positions
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.structured_output import allowed_tokens
