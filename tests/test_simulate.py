@@ -29,9 +29,9 @@ class WallTimedRunner:
     def __init__(self, runner, clock: VirtualClock) -> None:
         self.runner, self.clock, self.prepare_time = runner, clock, 0.0
 
-    def execute(self, sched):
+    def execute(self, batch):
         start = time.perf_counter()
-        logits = self.runner.execute(sched)
+        logits = self.runner.execute(batch)
         self.clock.sleep(time.perf_counter() - start)
         return logits
 
@@ -250,14 +250,10 @@ def test_final_only_outputs_come_once_when_finished():
 
 def test_cost_model_counts_causal_pairs_and_its_fit_recovers_known_costs():
     from minivllm.bench.cost_model import INTERFERED, FitError, features, fit_linear, held_out_error
-    from minivllm.engine.scheduler import SchedulerOutput
-    from minivllm.engine.sequence import Sequence
-    from minivllm.outputs import RequestMetrics
-    from minivllm.sampling_params import SamplingParams
+    from minivllm.model.batch import BatchInputs, SeqSpan
 
     def chunk(computed: int, n: int) -> StepShape:
-        seq = Sequence("s", None, list(range(100)), SamplingParams(), RequestMetrics(0.0), num_computed_tokens=computed)
-        return StepShape.of(SchedulerOutput([(seq, n)], [False]))
+        return StepShape.of(BatchInputs([SeqSpan(list(range(computed, computed + n)), computed, list(range(7)))]))
 
     # A prompt's attention pairs are the same whole or chunked (causal: token i sees i + 1 tokens).
     whole = chunk(0, 100).prefill_attention

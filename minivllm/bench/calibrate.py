@@ -22,7 +22,7 @@ from minivllm.bench.cost_model import (INTERFERED, WAKE_AFTER_S, FitError, Linea
                                        fit_linear, held_out_error, step_noise)
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.model.batch import BatchInputs
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -72,10 +72,10 @@ class ShapeRecorder:
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
-    def execute(self, sched: SchedulerOutput):
-        self.shapes.append(self.history.starting(sched))
+    def execute(self, batch: BatchInputs):
+        self.shapes.append(self.history.starting(batch))
         try:
-            return self.runner.execute(sched)
+            return self.runner.execute(batch)
         finally:
             self.history.ended()
 

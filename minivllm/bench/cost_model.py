@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.model.batch import BatchInputs
 from minivllm.model.loader import load_checkpoint
 from minivllm.model.model_config import ModelConfig
 
@@ -42,17 +42,18 @@ class StepShape:
         return self.prefill_tokens + self.decode_seqs + self.padding_tokens
 
     @classmethod
-    def of(cls, sched: SchedulerOutput) -> StepShape:
-        shape = cls(padding_tokens=sched.num_padding_tokens, num_seqs=len(sched.scheduled))
+    def of(cls, batch: BatchInputs) -> StepShape:
+        shape = cls(padding_tokens=batch.num_padding_tokens, num_seqs=len(batch.spans))
         decode_seqs = decode_context = 0
-        for (seq, n), decode in zip(sched.scheduled, sched.decode_flags):
-            if decode:
+        for span in batch.spans:
+            if span.decode:
                 decode_seqs += 1
-                decode_context += seq.num_computed_tokens + 1
+                decode_context += span.start + 1
             else:
+                n = len(span.token_ids)
                 shape.prefill_seqs += 1
                 shape.prefill_tokens += n
-                shape.prefill_attention += n * seq.num_computed_tokens + n * (n + 1) // 2
+                shape.prefill_attention += n * span.start + n * (n + 1) // 2
         shape.decode_seqs, shape.decode_context = decode_seqs, decode_context
         return shape
 
@@ -79,8 +80,8 @@ class StepHistory:
         self.clock, self.last_end = clock, clock()
         self.steps_since_prefill: int | None = None  # None: no prefill yet
 
-    def starting(self, sched: SchedulerOutput) -> StepShape:
-        shape = StepShape.of(sched)
+    def starting(self, batch: BatchInputs) -> StepShape:
+        shape = StepShape.of(batch)
         shape.woke = int(self.clock() - self.last_end >= WAKE_AFTER_S)
         if shape.prefill_tokens:
             self.steps_since_prefill = 0

@@ -25,9 +25,8 @@ from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.executor import ModelParts, num_kv_blocks
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.scheduler import SchedulerOutput
-from minivllm.engine.sequence import Sequence
 from minivllm.engine.trace import StepTracer, run_record
+from minivllm.model.batch import BatchInputs, SamplingRow
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.sampler import SamplerOutput
 from minivllm.outputs import RequestMetrics
@@ -64,8 +63,8 @@ class CostRunner:
         self.cost, self.clock, self.history, self.noise = cost, clock, StepHistory(clock), noise
         self.prepare_time = 0.0  # the engine's step breakdown reads it
 
-    def execute(self, sched: SchedulerOutput) -> None:
-        seconds = self.cost.step_time(self.history.starting(sched))
+    def execute(self, batch: BatchInputs) -> None:
+        seconds = self.cost.step_time(self.history.starting(batch))
         self.clock.sleep(seconds * self.noise() if self.noise else seconds)
         self.history.ended()
 
@@ -76,8 +75,8 @@ class FixedTokenSampler:
     def __init__(self, model_config: ModelConfig) -> None:
         self.token = next(t for t in range(model_config.vocab_size) if t not in model_config.eos_token_ids)
 
-    def __call__(self, _logits: None, seqs: list[Sequence]) -> SamplerOutput:
-        return SamplerOutput([self.token] * len(seqs), [None] * len(seqs))
+    def __call__(self, _logits: None, rows: list[SamplingRow]) -> SamplerOutput:
+        return SamplerOutput([self.token] * len(rows), [None] * len(rows))
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from minivllm.config import EngineConfig
 from minivllm.distributed.group import (TensorParallelError, TensorParallelGroup, backend_for, join,
                                         launched_by_torchrun, spawn_workers, torchrun_rank)
 from minivllm.distributed.sharding import TensorParallelShard, check_divisible, make_row_parallel
-from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.model.batch import BatchInputs
 from minivllm.model.decoder import CausalLM
 from minivllm.model.loader import load_checkpoint
 from minivllm.model.loading import load_model
@@ -30,17 +30,17 @@ class DriverRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.group = group
 
-    def _prepare(self, output: SchedulerOutput):
-        inputs = super()._prepare(output)
+    def _prepare(self, batch: BatchInputs):
+        inputs = super()._prepare(batch)
         input_ids, positions, meta = inputs[:3]
         self.group.send_step((input_ids, positions, dataclasses.replace(meta, kernel=None)))  # a C function
         return inputs
 
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+    def execute(self, batch: BatchInputs) -> torch.Tensor:
         if self.group.failed:
             raise TensorParallelError("the tensor-parallel group failed earlier; the engine stopped")
         try:
-            return super().execute(output)
+            return super().execute(batch)
         except TensorParallelError:
             raise
         except RuntimeError as e:  # gloo: "Connection closed by peer", a timeout, ...

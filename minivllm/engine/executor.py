@@ -34,9 +34,9 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.
 
 @dataclass
 class ModelParts:
-    """What the engine computes with: `runner.execute(SchedulerOutput)` returns what `sampler(that,
-    sampling sequences)` turns into a SamplerOutput. Without a tokenizer, prompts are token ids and
-    outputs carry no text."""
+    """What the engine computes with: `runner.execute(BatchInputs)` returns what `sampler(that, its
+    SamplingRows)` turns into a SamplerOutput (model/batch.py: engine/model_inputs.py builds both).
+    Without a tokenizer, prompts are token ids and outputs carry no text."""
 
     model_config: ModelConfig
     tokenizer: Tokenizer | None

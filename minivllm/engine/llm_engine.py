@@ -27,15 +27,17 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.executor import ModelParts, load_parts
 from minivllm.engine.kv_tier import tier_stats
 from minivllm.engine.policies import POLICIES
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput, prompt_logprob_positions, will_sample
+from minivllm.engine.model_inputs import batch_inputs, sampling_rows
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.engine.spec_decode import PROPOSERS, DraftPrefix
+from minivllm.engine.spec_decode import PROPOSERS
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.engine.text import cut_at_stop_string, visible_text
 from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
 from minivllm.lora.manager import LoadedAdapter, LoRAManager
 from minivllm.lora.request import LoRARequest
+from minivllm.model.batch import BatchInputs
 from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
@@ -111,9 +113,10 @@ class LLMEngine:
         self.start_time = clock()
         self.tracer = StepTracer(config.trace_file, self.start_time, run_record(config)) if config.trace_file else None
         self.observers: list[StepObserver] = []  # told what the tracer is told (the server's live feed)
-        # Seconds spent in each phase of step(); the runner splits "model" into input preparation
-        # and the forward pass (runner.prepare_time).
-        self.step_time = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "update": 0.0}
+        # Seconds spent in each phase of step(): "prepare" builds the runner's inputs (model_inputs.py),
+        # and the runner splits "model" into its own input preparation and the forward pass
+        # (runner.prepare_time).
+        self.step_time = {"schedule": 0.0, "prepare": 0.0, "model": 0.0, "sample": 0.0, "update": 0.0}
         self.stats = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "padding_tokens": 0,
                       "finished_requests": 0,
                       # vLLM's: drafts verified, their tokens, and of those the ones accepted
@@ -278,14 +281,16 @@ class LLMEngine:
             self._wait_for_work()
             return outputs
         t_scheduled = self.clock()
+        batch = batch_inputs(sched)
         # A decode always samples; a prefill chunk does once it completes the prompt.
-        sampling = [s for (s, n), decode in zip(sched.scheduled, sched.decode_flags) if decode or will_sample(s, n)]
+        sampling = [s for (s, _), span in zip(sched.scheduled, batch.spans) if span.num_logits]
         drafts = sched.scheduled_spec_decode_tokens
-        rows = self._sampling_rows(sampling, drafts) if drafts else sampling
-        logits = self.runner.execute(sched)
+        t_prepared = self.clock()
+        logits = self.runner.execute(batch)
         t_forward = self.clock()
+        rows = sampling_rows(sampling, drafts, self.model_config.vocab_size)
         if logits is not None and logits.shape[0] > len(rows):  # rows past the sampling ones: prompt_logprobs
-            self._score_prompts(sched, logits[len(rows):])
+            self._score_prompts(sched, batch, logits[len(rows):])
             logits = logits[:len(rows)]
         sampled = self.sampler(logits, rows) if sampling else None
         t_sampled = self.clock()
@@ -311,22 +316,13 @@ class LLMEngine:
                        if s.params.output_kind is not final_only or s.status is SequenceStatus.FINISHED)
         times = self.step_time
         times["schedule"] += t_scheduled - t_start
-        times["model"] += t_forward - t_scheduled
+        times["prepare"] += t_prepared - t_scheduled
+        times["model"] += t_forward - t_prepared
         times["sample"] += t_sampled - t_forward
         times["update"] += self.clock() - t_sampled
         return outputs
 
     # -- speculative decoding ---------------------------------------------------------------------------
-    @staticmethod
-    def _sampling_rows(sampling: list[Sequence], drafts: dict[str, list[int]]) -> list[Sequence | DraftPrefix]:
-        """The sampler's rows, as the runner's logits come: per sequence its own, then one per draft token."""
-        rows: list[Sequence | DraftPrefix] = []
-        for seq in sampling:
-            rows.append(seq)
-            draft = drafts.get(seq.request_id, ())
-            rows.extend(DraftPrefix(seq, draft[:j]) for j in range(1, len(draft) + 1))
-        return rows
-
     def _verify(self, sampling: list[Sequence], drafts: dict[str, list[int]], tokens: list[int],
                 logprobs: list) -> tuple[list[tuple[Sequence, list[int], list]], dict[str, int]]:
         """Per sequence, the tokens it gets: the sampled ones up to and including the first that differs
@@ -363,13 +359,13 @@ class LLMEngine:
             seq.spec_token_ids = self.proposer.propose(seq, k) if k > 0 else []
 
     @staticmethod
-    def _score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> None:
+    def _score_prompts(sched: SchedulerOutput, batch: BatchInputs, logits: torch.Tensor) -> None:
         """Append prompt_logprobs from the runner's extra rows: per scheduled sequence that asks, one row
-        per position of prompt_logprob_positions, in the order of sched.scheduled."""
+        per position of its span's prompt_logprob_positions, in the order of sched.scheduled."""
         logp = torch.log_softmax(logits.float(), dim=-1)
         row = 0
-        for seq, n in sched.scheduled:
-            for p in prompt_logprob_positions(seq, n):
+        for (seq, _), span in zip(sched.scheduled, batch.spans):
+            for p in span.prompt_logprob_positions:
                 token, k = seq.prompt_token_ids[p + 1], seq.params.prompt_logprobs
                 entry = {token: logp[row, token].item()}
                 if k:
@@ -487,8 +483,8 @@ class LLMEngine:
     def step_time_breakdown(self) -> dict[str, float]:
         """Share of step time per phase: schedule, prepare (inputs), forward, sample, update."""
         t = dict(self.step_time)
-        t["prepare"] = self.runner.prepare_time
-        t["forward"] = t.pop("model") - t["prepare"]
+        t["prepare"] += self.runner.prepare_time
+        t["forward"] = t.pop("model") - self.runner.prepare_time
         total = sum(t.values()) or 1.0
         return {k: v / total for k, v in t.items()}
 

@@ -83,47 +83,6 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in [0, 1]")
 
 
-@dataclass(eq=False)
-class DraftPrefix:
-    """What the sampler sees at a verify row: `seq` as if the draft tokens before the row were already
-    output, so that penalties count them, `min_tokens` and `bad_words` see them, and a seeded request
-    draws the noise of the row's own position. (Structured-output requests draft none, so the grammar
-    never has to be advanced through a draft.)"""
-
-    seq: Sequence
-    prefix: list[int]
-
-    @property
-    def params(self):
-        return self.seq.params
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.seq.prompt_token_ids
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.seq.output_token_ids + self.prefix
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.seq.num_output_tokens + len(self.prefix)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seq.num_tokens + len(self.prefix)
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.seq.eos_token_ids
-
-    @property
-    def bad_words_token_ids(self) -> list[list[int]]:
-        return self.seq.bad_words_token_ids
-
-    grammar = None
-
-
 class Proposer(Protocol):
     def propose(self, seq: Sequence, max_len: int) -> list[int]:
         """Up to `max_len` tokens that may follow `seq.token_ids` (possibly none)."""

@@ -14,9 +14,8 @@ A seeded request's noise is a function of its seed and the position of the token
 (`noise_seed`), so its tokens depend neither on the batch nor on how many positions a step samples:
 verifying k draft tokens draws what k + 1 plain steps would (speculative decoding stays exact).
 
-A row is a Sequence, or a view of one with draft tokens taken as already output (spec_decode.py):
-the sampler reads `params`, `prompt_token_ids`, `output_token_ids`, `num_output_tokens`,
-`num_tokens`, `eos_token_ids`, `bad_words_token_ids` and `grammar`.
+A row is a SamplingRow (batch.py), one per token drawn, built by the engine: a verify row takes
+the draft tokens before it as already output, and a structured-output row brings its grammar's mask.
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.structured_output import allowed_tokens
+from minivllm.model.batch import SamplingRow
 
 
 @dataclass
@@ -39,8 +37,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _rows(seqs: list[Sequence], wanted) -> list[int]:
-    return [i for i, s in enumerate(seqs) if wanted(s)]
+def _where(rows: list[SamplingRow], wanted) -> list[int]:
+    return [i for i, r in enumerate(rows) if wanted(r)]
 
 
 _MASK64 = (1 << 64) - 1
@@ -62,51 +60,52 @@ class Sampler:
         self._keyed = torch.Generator(device=device)  # re-seeded per (seed, position)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """One token per row of `logits` (a float32 [len(rows), vocab] that is processed in place)."""
         # Logprobs are the model's own (vLLM's default "raw_logprobs"), before any processing.
-        raw = logits.clone() if any(s.params.logprobs is not None for s in seqs) else logits
-        self._mask_and_bias(logits, seqs)
-        self._penalize(logits, seqs)
-        if all(s.params.is_greedy for s in seqs):
+        raw = logits.clone() if any(r.params.logprobs is not None for r in rows) else logits
+        self._mask_and_bias(logits, rows)
+        self._penalize(logits, rows)
+        if all(r.params.is_greedy for r in rows):
             tokens = _argmax(logits)
         else:
-            tokens = self._sample(logits, seqs)
-        return SamplerOutput(tokens.tolist(), self._logprobs(raw, tokens, seqs))
+            tokens = self._sample(logits, rows)
+        return SamplerOutput(tokens.tolist(), self._logprobs(raw, tokens, rows))
 
     # -- (1) masks and biases ---------------------------------------------------------------------------
-    def _mask_and_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _mask_and_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         vocab = logits.shape[-1]
-        if rows := _rows(seqs, lambda s: s.params.allowed_token_ids is not None):
-            allowed = torch.zeros(len(rows), vocab, dtype=torch.bool, device=self.device)
-            r, t = self._pairs([seqs[i].params.allowed_token_ids for i in rows])
+        if which := _where(rows, lambda r: r.params.allowed_token_ids is not None):
+            allowed = torch.zeros(len(which), vocab, dtype=torch.bool, device=self.device)
+            r, t = self._pairs([rows[i].params.allowed_token_ids for i in which])
             allowed[r, t] = True
-            self._keep_only(logits, rows, allowed)
-        if rows := _rows(seqs, lambda s: s.grammar is not None):
-            self._keep_only(logits, rows, allowed_tokens([seqs[i].grammar for i in rows], vocab).to(self.device))
-        banned = [self._banned(s) for s in seqs]
+            self._keep_only(logits, which, allowed)
+        if which := _where(rows, lambda r: r.grammar_mask is not None):
+            self._keep_only(logits, which, torch.stack([rows[i].grammar_mask for i in which]).to(self.device))
+        banned = [self._banned(r) for r in rows]
         if any(banned):
             r, t = self._pairs(banned)
             logits[r, t] = float("-inf")
-        if rows := _rows(seqs, lambda s: s.params.logit_bias):
-            biases = [seqs[i].params.logit_bias for i in rows]
+        if which := _where(rows, lambda r: r.params.logit_bias):
+            biases = [rows[i].params.logit_bias for i in which]
             r, t = self._pairs([list(b) for b in biases])
             values = torch.tensor([v for b in biases for v in b.values()], dtype=logits.dtype, device=self.device)
-            logits.index_put_((torch.tensor(rows, device=self.device)[r], t), values, accumulate=True)
+            logits.index_put_((torch.tensor(which, device=self.device)[r], t), values, accumulate=True)
 
-    def _keep_only(self, logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> None:
-        index = torch.tensor(rows, device=self.device)
+    def _keep_only(self, logits: torch.Tensor, which: list[int], allowed: torch.Tensor) -> None:
+        index = torch.tensor(which, device=self.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
     @staticmethod
-    def _banned(s: Sequence) -> list[int]:
-        """Tokens `s` may not draw now. Below `min_tokens`: EOS and the stop tokens, whether or not EOS
+    def _banned(row: SamplingRow) -> list[int]:
+        """Tokens `row` may not draw now. Below `min_tokens`: EOS and the stop tokens, whether or not EOS
         would stop the request (`ignore_eos`), as vLLM and HF's `min_new_tokens` do. A bad word's
         last token, once the output ends with the tokens before it (a one-token word: always)."""
         banned = []
-        if s.num_output_tokens < s.params.min_tokens:
-            banned += [*s.params.stop_token_ids, *s.eos_token_ids]
-        out = s.output_token_ids
-        for word in s.bad_words_token_ids:
+        out = row.output_token_ids
+        if len(out) < row.params.min_tokens:
+            banned += [*row.params.stop_token_ids, *row.eos_token_ids]
+        for word in row.bad_words_token_ids:
             prefix = word[:-1]
             if not prefix or out[len(out) - len(prefix):] == prefix:
                 banned.append(word[-1])
@@ -120,17 +119,17 @@ class Sampler:
                 torch.tensor(tokens, dtype=torch.long, device=self.device))
 
     # -- (2) penalties --------------------------------------------------------------------------------------
-    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        rows = _rows(seqs, lambda s: s.params.has_penalties)
-        if not rows:
+    def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        which = _where(rows, lambda r: r.params.has_penalties)
+        if not which:
             return
-        params = [seqs[i].params for i in rows]
-        index = torch.tensor(rows, device=self.device)
+        params = [rows[i].params for i in which]
+        index = torch.tensor(which, device=self.device)
         x = logits[index]
         vocab = x.shape[-1]
-        output_counts = self._counts([seqs[i].output_token_ids for i in rows], vocab)
+        output_counts = self._counts([rows[i].output_token_ids for i in which], vocab)
         if any(p.repetition_penalty != 1.0 for p in params):
-            seen = self._counts([seqs[i].prompt_token_ids for i in rows], vocab) + output_counts > 0
+            seen = self._counts([rows[i].prompt_token_ids for i in which], vocab) + output_counts > 0
             penalty = self._column([p.repetition_penalty for p in params])
             x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
         frequency = self._column([p.frequency_penalty for p in params])
@@ -151,8 +150,8 @@ class Sampler:
         return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
 
     # -- (3) sampling ------------------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [s.params for s in seqs]
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        params = [r.params for r in rows]
         greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
         temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=self.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
@@ -162,9 +161,9 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             probs = self._top_k_top_p(probs, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, s in enumerate(seqs):
-            if s.params.seed is not None:  # the token drawn here goes to position num_tokens
-                noise[i].exponential_(generator=self._keyed.manual_seed(noise_seed(s.params.seed, s.num_tokens)))
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                noise[i].exponential_(generator=self._keyed.manual_seed(noise_seed(r.params.seed, r.position)))
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, _argmax(logits), sampled)
 
@@ -181,10 +180,10 @@ class Sampler:
         return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[dict[int, float] | None]:
-        wanted = [s.params.logprobs for s in seqs]
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+        wanted = [r.params.logprobs for r in rows]
         if all(w is None for w in wanted):
-            return [None] * len(seqs)
+            return [None] * len(rows)
         logp = torch.log_softmax(logits, dim=-1)
         k = max(w or 0 for w in wanted)
         top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)

@@ -1,0 +1,46 @@
+"""The engine's requests as the model package takes them (model/batch.py): a SchedulerOutput as the
+runner's BatchInputs, and the sequences that sample as the sampler's rows."""
+from __future__ import annotations
+
+from minivllm.engine.scheduler import SchedulerOutput, prompt_logprob_positions
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.structured_output import allowed_tokens
+from minivllm.model.batch import NO_POSITIONS, BatchInputs, SamplingRow, SeqSpan
+
+
+def batch_inputs(sched: SchedulerOutput) -> BatchInputs:
+    """One span per scheduled sequence, in the scheduler's order: its uncomputed tokens this step
+    computes, then the draft tokens it verifies (the last of its num_new_tokens)."""
+    drafts = sched.scheduled_spec_decode_tokens
+    spans = []
+    for (seq, n), decode in zip(sched.scheduled, sched.decode_flags):  # runs per sequence per step
+        start, token_ids = seq.num_computed_tokens, seq.token_ids
+        ids = token_ids[start:start + n]
+        if drafts and (draft := drafts.get(seq.request_id)):
+            ids += draft
+        # It samples once the step computes its last token (scheduler.will_sample), and at each draft token.
+        num_logits = start + n - len(token_ids) + 1 if start + n >= len(token_ids) else 0
+        scored = NO_POSITIONS if seq.prompt_logprobs is None else prompt_logprob_positions(seq, n)
+        spans.append(SeqSpan(ids, start, seq.block_table, num_logits, scored, seq.lora, decode))
+    return BatchInputs(spans, sched.num_padding_tokens)
+
+
+def sampling_rows(sampling: list[Sequence], drafts: dict[str, list[int]], vocab_size: int) -> list[SamplingRow]:
+    """The sampler's rows, as the runner's logits come: per sequence its own, then one per draft token
+    it verifies (with the draft tokens before that row taken as output, so that penalties count them,
+    min_tokens and bad_words see them, and a seeded request draws the noise of the row's position)."""
+    rows, grammar_rows, grammars = [], [], []
+    for seq in sampling:
+        row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.eos_token_ids,
+                          seq.bad_words_token_ids)
+        rows.append(row)
+        if seq.grammar is not None:
+            grammar_rows.append(row)
+            grammars.append(seq.grammar)
+        if draft := drafts.get(seq.request_id):  # a structured-output request drafts none (Scheduler.draft_length)
+            rows += [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + draft[:j],
+                                 seq.eos_token_ids, seq.bad_words_token_ids) for j in range(1, len(draft) + 1)]
+    if grammars:
+        for row, mask in zip(grammar_rows, allowed_tokens(grammars, vocab_size)):
+            row.grammar_mask = mask
+    return rows
