@@ -25,6 +25,7 @@ PEERS=$HOME/.cache/minivllm-peers
 VLLM_PY=$PEERS/vllm/bin/python
 VLLM_ENV="OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2"
 IDLE_S=60
+VLLM_PROMPTS=${VLLM_PROMPTS:-200}  # requests of the saturated vLLM comparison (SKIP_RATE70=1: no Poisson run)
 pid=""
 
 source "$HERE/servers.sh"
@@ -131,17 +132,17 @@ run_vllm() {  # tag checkpoint model-args...
   local margs=("$@") rate
   log "== $tag: vLLM-CPU api_server vs minivllm serve, 200 requests of the fixed workload's lengths"
   if start_vllm "$tag-vllm-server" 8445 "$ckpt"; then
-    bench_serve "$tag-vllm-sat" 8445 "${margs[@]}" --dataset fixed --num-prompts 200
+    bench_serve "$tag-vllm-sat" 8445 "${margs[@]}" --dataset fixed --num-prompts "$VLLM_PROMPTS"
     rate=$("$PY" -c "import json; print(0.7 * json.load(open('$OUT/$tag-vllm-sat.json'))['metrics']['request_throughput'])")
     echo "$rate" > "$OUT/$tag-rate70"
-    bench_serve "$tag-vllm-rate70" 8445 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
+    [ -z "${SKIP_RATE70:-}" ] && bench_serve "$tag-vllm-rate70" 8445 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
     stop_server
   else
     return
   fi
   if start_minivllm "$tag-serve-vs-vllm" 8446 "${margs[@]}"; then
-    bench_serve "$tag-minivllm-sat" 8446 "${margs[@]}" --dataset fixed --num-prompts 200
-    bench_serve "$tag-minivllm-rate70" 8446 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
+    bench_serve "$tag-minivllm-sat" 8446 "${margs[@]}" --dataset fixed --num-prompts "$VLLM_PROMPTS"
+    [ -z "${SKIP_RATE70:-}" ] && bench_serve "$tag-minivllm-rate70" 8446 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
     stop_server
   fi
 }
