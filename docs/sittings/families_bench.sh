@@ -5,7 +5,8 @@
 # and quantized to Q4_K_M by llama-quantize; then batch-1 latency and 16-request throughput in bf16
 # (GGUF bf16 file) and Q4_K_M, next to the Llama shape of the same size. Report: tokens/s x non-embedding
 # parameters, relative to the Llama shape's (target: within 15 %). The 16 requests are the fixed workload's first 16.
-# Gemma 2's converter needs a SentencePiece tokenizer.model, so Gemma 2 runs from its HF directory (bf16) only.
+# Gemma 2's converter needs a SentencePiece tokenizer.model: a small one is trained (tests/helpers.py); the
+# converter pads it to the checkpoint's vocabulary, and the workload's lengths are in tokens, so the runs compare.
 set -euo pipefail
 WT=${WT:-/work/main}
 PY=${PY:-/work/main/.venv/bin/python}
@@ -25,6 +26,8 @@ import transformers as t
 from minivllm.model.loader import default_model_path
 from minivllm.model.tokenizer import get_tokenizer
 from minivllm.model.loader import load_checkpoint
+import shutil
+from tests.helpers import sentencepiece_tokenizer
 from tests.llama_cpp import convert_hf
 
 out, families = Path(sys.argv[1]), sys.argv[2:]
@@ -57,8 +60,10 @@ for kind in families:
         torch.manual_seed(0)
         model = t.AutoModelForCausalLM.from_config(configs[kind](), dtype=torch.bfloat16)
         model.save_pretrained(d)
-        import shutil
-        shutil.copytree(tok_dir, d, dirs_exist_ok=True)
+        if kind == "gemma2":  # its converter reads a SentencePiece tokenizer.model (padded to the vocabulary)
+            sentencepiece_tokenizer(d)
+        else:
+            shutil.copytree(tok_dir, d, dirs_exist_ok=True)
         if kind == "phi3":  # GPT-2's tokenizer, as Phi-4-mini's: what llama.cpp's converter takes from the class
             cfg = json.loads((d / "tokenizer_config.json").read_text())
             (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
@@ -69,14 +74,14 @@ for kind in families:
         if "embed_tokens" in name or name.startswith("lm_head"):
             embed += w.numel()
     sizes[kind] = {"params": total, "non_embedding": total - embed}
-    if kind != "gemma2" and not (out / f"{kind}.bf16.gguf").exists():
+    if not (out / f"{kind}.bf16.gguf").exists():
         convert_hf(d, out / f"{kind}.bf16.gguf", "bf16")
 (out / "sizes.json").write_text(json.dumps(sizes, indent=1))
 print(json.dumps(sizes, indent=1))
 PYEOF
 
 for kind in $FAMILIES; do
-  if [ "$kind" != gemma2 ] && [ ! -f "$OUT/$kind.Q4_K_M.gguf" ]; then
+  if [ ! -f "$OUT/$kind.Q4_K_M.gguf" ]; then
     "$QUANTIZE" "$OUT/$kind.bf16.gguf" "$OUT/$kind.Q4_K_M.gguf" Q4_K_M > "$OUT/$kind.quantize.log" 2>&1
   fi
 done
@@ -93,12 +98,8 @@ run() {  # family, variant, model path, extra args
 }
 
 for kind in $FAMILIES; do
-  if [ "$kind" = gemma2 ]; then
-    run "$kind" bf16 "$OUT/$kind"
-  else
-    run "$kind" bf16 "$OUT/$kind.bf16.gguf"
-    run "$kind" Q4_K_M "$OUT/$kind.Q4_K_M.gguf" --quantization gguf
-  fi
+  run "$kind" bf16 "$OUT/$kind.bf16.gguf"
+  run "$kind" Q4_K_M "$OUT/$kind.Q4_K_M.gguf" --quantization gguf
 done
 
 echo "== summary (tokens/s x non-embedding params, relative to the Llama shape; target within 15 %)"
