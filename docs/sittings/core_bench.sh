@@ -130,7 +130,7 @@ run_model() {  # tag model-args...
 run_vllm() {  # tag checkpoint model-args...
   local tag=$1 ckpt=$2; shift 2
   local margs=("$@") rate
-  log "== $tag: vLLM-CPU api_server vs minivllm serve, 200 requests of the fixed workload's lengths"
+  log "== $tag: vLLM-CPU api_server vs minivllm serve, $VLLM_PROMPTS requests of the fixed workload"
   if start_vllm "$tag-vllm-server" 8445 "$ckpt"; then
     bench_serve "$tag-vllm-sat" 8445 "${margs[@]}" --dataset fixed --num-prompts "$VLLM_PROMPTS"
     rate=$("$PY" -c "import json; print(0.7 * json.load(open('$OUT/$tag-vllm-sat.json'))['metrics']['request_throughput'])")
