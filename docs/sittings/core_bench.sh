@@ -156,7 +156,7 @@ fi
 if [ -n "${SKIP_VLLM:-}" ]; then
   log "(d) skipped: SKIP_VLLM"
 elif [ -x "$VLLM_PY" ]; then
-  run_vllm default "$PEERS/smollm2-135m-hf"
+  [ -z "${ONLY_05B:-}" ] && run_vllm default "$PEERS/smollm2-135m-hf"
   [ -z "${SKIP_05B_VLLM:-}" ] && run_vllm q05b "$(hf_checkpoint_05b)" --model "$M05"
 else
   log "no vLLM at $VLLM_PY: run /work/shared/peers/setup_vllm_cpu.sh first; (d) skipped"
