@@ -13,14 +13,8 @@
 # Ports 8441-8449.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)  # before the cd below: servers.sh lies beside this script
-REPO=${REPO:-/work/main}
-cd "$REPO" || exit 1
-PY=$REPO/.venv/bin/python
-export PYTHONPATH=$REPO
-MV="$PY -m minivllm.cli"
 OUT=/work/runs/core_bench_out
-mkdir -p "$OUT"
-M05=$HOME/.cache/minivllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+source "$HERE/servers.sh"  # REPO (cd there), PY, MV, M05; log, wait_healthy, stop_server
 PEERS=$HOME/.cache/minivllm-peers
 VLLM_PY=$PEERS/vllm/bin/python
 VLLM_ENV="OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2"
@@ -28,7 +22,6 @@ IDLE_S=60
 VLLM_PROMPTS=${VLLM_PROMPTS:-200}  # requests of the saturated vLLM comparison (SKIP_RATE70=1: no Poisson run)
 pid=""
 
-source "$HERE/servers.sh"
 
 start_minivllm() {  # name port args...
   local name=$1 port=$2; shift 2

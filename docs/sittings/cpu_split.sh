@@ -2,9 +2,8 @@
 # CPU of the frontend, the engine core and the bench client over 30 s in the middle of a twelve-stream run
 # (default model), from /proc; run it alone (quiet.sh). Writes /work/runs/omp_ab/.
 set -u
-source /work/main/docs/sittings/servers.sh
-OUT=/work/runs/omp_ab; cd /work/main; export PYTHONPATH=/work/main
-MV="/work/main/.venv/bin/python -m minivllm.cli"
+OUT=/work/runs/omp_ab
+source "$(cd "$(dirname "$0")" && pwd)/servers.sh"
 ticks() { local f; f=$(sed 's/.*) //' /proc/$1/stat) ; set -- $f; echo $(( ${12} + ${13} )); }
 $MV serve --port 8462 > $OUT/cpu-serve.log 2>&1 &
 pid=$!

@@ -13,14 +13,8 @@
 # Results: /work/runs/lora_bench_out/ (bench JSONs, server logs, summary.md). Ports 8451-8459.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)  # before the cd below: servers.sh lies beside this script
-REPO=${REPO:-/work/main}
-cd "$REPO" || exit 1
-PY=$REPO/.venv/bin/python
-export PYTHONPATH=$REPO
-MV="$PY -m minivllm.cli"
 OUT=/work/runs/lora_bench_out
-mkdir -p "$OUT"
-M05=$HOME/.cache/minivllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+source "$HERE/servers.sh"  # REPO (cd there), PY, MV, M05; log, wait_healthy, stop_server
 LLAMA_SERVER=$HOME/.cache/minivllm-peers/llama.cpp/build-noamx/bin/llama-server
 [ -x "$LLAMA_SERVER" ] || LLAMA_SERVER=$HOME/.cache/minivllm-peers/llama.cpp/build/bin/llama-server
 ADAPTERS=$OUT/adapters
@@ -28,7 +22,6 @@ WORKLOAD="--dataset random --input-len 256 --output-len 128 --num-prompts 16 --m
 NAMES="a0 a1 a2 a3 a4 a5 a6 a7"
 pid=""
 
-source "$HERE/servers.sh"
 
 bench() {  # name port extra-args...
   local name=$1 port=$2; shift 2

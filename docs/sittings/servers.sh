@@ -1,5 +1,13 @@
-# Shared by the sittings' scripts (sourced): a log line with the time, a server's start and stop.
-# The caller sets OUT (the results folder) and pid (the server being waited for or stopped).
+# Shared by the sittings' scripts (sourced): the checkout they run (REPO, default /work/main, made the
+# working directory), its Python and CLI, the 0.5B file; a log line with the time, a server's start and
+# stop. The caller sets OUT (the results folder) first, and pid (the server being waited for or stopped).
+REPO=${REPO:-/work/main}
+cd "$REPO" || exit 1
+PY=$REPO/.venv/bin/python
+export PYTHONPATH=$REPO
+MV="$PY -m minivllm.cli"
+mkdir -p "$OUT"
+M05=$HOME/.cache/minivllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/run.log"; }
 
