@@ -3,9 +3,10 @@
  * build's outputs), this driver runs each kernel on them and checks
  *   close      every output within atol + rtol * |reference| of the reference
  *   invariant  every row computed alone (a decode of one sequence) gives the batched row's bits
- *   x86 bits   the GEMMs' outputs equal the x86 build's bit for bit (simd.h: the same integer sums and
- *              float steps on every target); attention and the layer ops are vectorized by the compiler
- *              for each target, so for them it is only reported
+ *   x86 bits   the GEMMs' and LoRA's outputs equal the x86 build's bit for bit (simd.h: the same integer
+ *              sums and float steps on every target; lora.c: every lane its own sum in a fixed order);
+ *              attention and the layer ops are vectorized by the compiler for each target, so for them
+ *              it is only reported
  * and exits 1 if any check fails.  Usage: driver cases.bin */
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +15,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "lora.h"
 
 void qgemm_f32(const float *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias, float *out, int64_t ldo,
                int64_t M, int64_t N, int64_t K);
@@ -34,9 +36,13 @@ typedef void rms_fn(const void *delta, void *residual, const void *weight, void 
 rms_fn add_rms_norm_f32, add_rms_norm_bf16;
 typedef void silu_fn(const void *gate_up, void *out, int64_t tokens, int64_t inter);
 silu_fn silu_and_mul_f32, silu_and_mul_bf16;
+typedef void lora_fn(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t k, int64_t n,
+                     int64_t n_pad, int64_t num_segments, const int64_t *starts, const int64_t *lens,
+                     const int64_t *weights);
+lora_fn lora_f32, lora_bf16;
 const char *simd_target(void);
 
-enum { QGEMM = 1, GEMM, ATTENTION, RMS_NORM, SILU };  /* arm_kernels.py's kinds */
+enum { QGEMM = 1, GEMM, ATTENTION, RMS_NORM, SILU, LORA };  /* arm_kernels.py's kinds */
 #define MAX_ARRAYS 9
 
 typedef struct {
@@ -132,6 +138,48 @@ static int check_attention(const Case *c, void *out, int *same_as_x86) {
     return !bad && invariant;
 }
 
+/* LoRA: the step's segments in one call, then each row alone (a segment of one row); a row of no adapter,
+ * or of one that leaves the layer alone, must keep its base bits. Arrays: x, base, segments [s][3]
+ * (first row, rows, adapter or -1), the adapters' padded ranks, their AT, BT and bands one after
+ * another, the reference and the x86 output. */
+static int check_lora(const Case *c, void *out, int *same_as_x86) {
+    const int64_t rows = c->p[0], k = c->p[1], n = c->p[2], n_pad = c->p[3], segments = c->p[4], e = elem(c);
+    const int64_t *seg = c->a[2], *ranks = c->a[3], adapters = c->bytes[3] / 8, chunks = n_pad / LORA_CHUNK;
+    lora_fn *fn = c->bf16 ? lora_bf16 : lora_f32;
+    int64_t address[adapters][4];  /* per adapter: AT, BT, bands, padded rank (csrc/lora.c's weights) */
+    for (int64_t a = 0, at = 0, bt = 0; a < adapters; at += k * ranks[a] * e, bt += ranks[a] * n_pad * e, a++) {
+        address[a][0] = (int64_t)(intptr_t)((char *)c->a[4] + at);
+        address[a][1] = (int64_t)(intptr_t)((char *)c->a[5] + bt);
+        address[a][2] = (int64_t)(intptr_t)((int64_t *)c->a[6] + a * chunks * 2);
+        address[a][3] = ranks[a];
+    }
+    int64_t starts[segments], lens[segments], weights[segments][4], owner[rows];
+    for (int64_t r = 0; r < rows; r++) owner[r] = -1;
+    for (int64_t s = 0; s < segments; s++) {
+        const int64_t a = seg[3 * s + 2];
+        starts[s] = seg[3 * s], lens[s] = seg[3 * s + 1];
+        for (int j = 0; j < 4; j++) weights[s][j] = a >= 0 ? address[a][j] : 0;
+        for (int64_t r = starts[s]; r < starts[s] + lens[s] && a >= 0; r++) owner[r] = s;
+    }
+    memcpy(out, c->a[1], (size_t)(rows * n * e));
+    fn(c->a[0], k, out, n, k, n, n_pad, segments, starts, lens, &weights[0][0]);
+    int invariant = 1;
+    char *alone = malloc((size_t)(n * e));
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t s = owner[r], zero = 0, one = 1;
+        memcpy(alone, (const char *)c->a[1] + r * n * e, (size_t)(n * e));
+        if (s >= 0) fn((const char *)c->a[0] + r * k * e, k, alone, n, k, n, n_pad, 1, &zero, &one, weights[s]);
+        invariant &= !memcmp(alone, (char *)out + r * n * e, (size_t)(n * e));
+    }
+    free(alone);
+    *same_as_x86 = !memcmp(out, c->a[8], (size_t)(rows * n * e));
+    const int64_t bad = outside(c, out, c->a[7], rows * n);
+    if (bad) printf("  %lld of %lld outputs outside the bound\n", (long long)bad, (long long)(rows * n));
+    if (!invariant) printf("  a row alone differs from the same row among %lld\n", (long long)rows);
+    if (!*same_as_x86) printf("  not the x86 build's bits\n");
+    return !bad && invariant && *same_as_x86;
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s cases.bin\n", argv[0]);
@@ -152,6 +200,10 @@ int main(int argc, char **argv) {
         if (c.kind == ATTENTION) {
             void *out = malloc((size_t)c.bytes[8]);
             ok = check_attention(&c, out, &same);
+            free(out);
+        } else if (c.kind == LORA) {
+            void *out = malloc((size_t)c.bytes[8]);
+            ok = check_lora(&c, out, &same);
             free(out);
         } else {
             /* rows and output width: the reference (float32) holds rows x width values */
@@ -178,7 +230,7 @@ int main(int argc, char **argv) {
             free(out);
             free(alone);
         }
-        if (c.kind != QGEMM && c.kind != GEMM)
+        if (c.kind != QGEMM && c.kind != GEMM && c.kind != LORA)
             x86_note = same ? " (the x86 build's bits)" : " (not the x86 build's bits: compiler-vectorized)";
         printf("%s %s%s\n", ok ? "ok  " : "FAIL", c.name, x86_note);
         failed += !ok;

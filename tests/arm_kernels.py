@@ -3,10 +3,10 @@
 There is no ARM machine here, so the kernels are cross-compiled (gcc-aarch64-linux-gnu) into a small C
 driver (arm_driver.c) that is run by qemu-aarch64. This script writes the driver's cases: fixed inputs,
 the reference outputs of the torch twins (the quantized linear's twin, float32 matmul, SDPA, the model's
-RMSNorm and SiLU), each with the bound the driver checks, and the x86 build's own outputs. The driver
-checks, per case, the ARM result against the reference within that bound, batch invariance (every row
-computed alone gives the same bits), and for the GEMMs the same bits as the x86 build (simd.h: the same
-integer sums and float steps on every target). It is built twice, armv8.2-a+dotprod (sdot) and
+RMSNorm and SiLU, lora_twin), each with the bound the driver checks, and the x86 build's own outputs.
+The driver checks, per case, the ARM result against the reference within that bound, batch invariance
+(every row computed alone gives the same bits), and for the GEMMs and LoRA the same bits as the x86
+build (simd.h: the same integer sums and float steps on every target; lora.c: every lane its own sum). It is built twice, armv8.2-a+dotprod (sdot) and
 armv8.2-a+dotprod+i8mm (usdot), with kernels.compile_flags' flags.
 
     python -m tests.arm_kernels [--keep DIR]
@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from minivllm.lora.layers import lora_twin, padded_columns
 from minivllm.model import gguf_quants, kernels, quant
 from minivllm.model.attention import kv_cache_shapes
-from minivllm.model.kernels import CSRC, SOURCES, compile_flags
+from minivllm.model.kernels import CSRC, LORA_CHUNK, LORA_LANES, SOURCES, compile_flags
 from minivllm.model.kv_cache import KVCache, kv_format
 from minivllm.model.decoder import RMSNorm
 from tests.test_kernels import _attend, reference
@@ -36,7 +37,7 @@ from tests.test_quant import _k, _tensor
 TARGETS = ["armv8.2-a+dotprod", "armv8.2-a+dotprod+i8mm"]
 CC = "aarch64-linux-gnu-gcc"
 DRIVER = Path(__file__).with_name("arm_driver.c")
-QGEMM, GEMM, ATTENTION, RMS_NORM, SILU = 1, 2, 3, 4, 5  # arm_driver.c's case kinds
+QGEMM, GEMM, ATTENTION, RMS_NORM, SILU, LORA = 1, 2, 3, 4, 5, 6  # arm_driver.c's case kinds
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -84,6 +85,7 @@ def cases() -> bytes:
                          [x, packed, padded, ref, native.forward(x, packed, padded, n)]))
         out.append(_attention_case(lib, dtype, gen))
         out.extend(_layer_op_cases(lib, dtype, gen))
+        out.append(_lora_case(lib, dtype, gen))
     return b"".join(out)
 
 
@@ -129,6 +131,60 @@ def _layer_op_cases(lib, dtype: torch.dtype, gen: torch.Generator) -> list[bytes
                   [delta, residual, norm.weight.detach(), ref, x86]),
             _case(f"silu_and_mul {dtype}", SILU, dtype, [tokens, inter], list(silu_tol),
                   [gate_up, silu_ref, ops.act_and_mul(gate_up)])]
+
+
+def _lora_adapter(k: int, n_pad: int, parts: list[tuple[int, int, int]], dtype: torch.dtype,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AT, BT and bands in lora/manager.py's layout for projections `parts` (first output column, columns,
+    rank): their A^T side by side, B^T block-diagonal, rank padded to LORA_LANES; factors of unit scale
+    so that B A x is as large as the base output. The bands are read off BT's rows that are not zero."""
+    rank = -(-sum(r for _, _, r in parts) // LORA_LANES) * LORA_LANES
+    at, bt = torch.zeros(k, rank), torch.zeros(rank, n_pad)
+    col = 0
+    for first, cols, r in parts:
+        at[:, col:col + r] = torch.randn(k, r, generator=gen) / k ** 0.5
+        bt[col:col + r, first:first + cols] = torch.randn(r, cols, generator=gen) / r ** 0.5
+        col += r
+    at, bt = at.to(dtype), bt.to(dtype)
+    bands = []
+    for chunk in bt.split(LORA_CHUNK, dim=1):
+        rows = chunk.ne(0).any(dim=1).nonzero().flatten().tolist()
+        bands.append([rows[0], rows[-1] + 1] if rows else [0, 0])
+    return at, bt, torch.tensor(bands, dtype=torch.int64)
+
+
+def _lora_case(lib, dtype: torch.dtype, gen: torch.Generator) -> bytes:
+    """csrc/lora.c on a segmented step of a fused layer (two projections, n not whole chunks): segments of
+    three adapters (one fills a single projection, one a padded rank), one adapter twice, a segment whose
+    adapter leaves the layer alone and rows of no adapter; against lora_twin per segment."""
+    k, n = 200, 150
+    n_pad = padded_columns(n)
+    adapters = [_lora_adapter(k, n_pad, parts, dtype, gen)
+                for parts in ([(0, 70, 8), (70, 80, 8)], [(0, 150, 20)], [(70, 80, 4)])]
+    # (first row, rows, adapter; -1: one that leaves this layer alone); rows 5 and 14 are in no segment
+    segments = [(0, 5, 0), (6, 3, 1), (9, 1, -1), (10, 4, 2), (15, 2, 0)]
+    rows = 17
+    x, base = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(rows, n, generator=gen).to(dtype)
+    twin = base.clone()
+    for first, count, a in segments:
+        if a >= 0:
+            span = slice(first, first + count)
+            twin[span] = lora_twin(x[span], base[span], adapters[a][0], adapters[a][1])
+    x86 = base.clone()
+    starts, lens = (torch.tensor(c, dtype=torch.int64) for c in list(zip(*segments))[:2])
+    weights = torch.tensor([[adapters[a][0].data_ptr(), adapters[a][1].data_ptr(), adapters[a][2].data_ptr(),
+                             adapters[a][0].shape[1]] if a >= 0 else [0, 0, 0, 0] for _, _, a in segments],
+                           dtype=torch.int64)
+    getattr(lib, f"lora_{kernels._DTYPE_SUFFIX[dtype]}")(x.data_ptr(), k, x86.data_ptr(), n, k, n, n_pad,
+                                                         len(segments), starts.data_ptr(), lens.data_ptr(),
+                                                         weights.data_ptr())
+    scale = twin.abs().max().item()  # float32 sums in another order; bf16 an ulp of the one rounding
+    atol, rtol = (1e-6 * scale, 1e-4) if dtype == torch.float32 else (2 ** -7 * scale, 2 ** -7)
+    return _case(f"lora {dtype}", LORA, dtype, [rows, k, n, n_pad, len(segments)], [atol, rtol],
+                 [x, base, torch.tensor(segments, dtype=torch.int64),
+                  torch.tensor([at.shape[1] for at, _, _ in adapters], dtype=torch.int64),
+                  torch.cat([at.flatten() for at, _, _ in adapters]), torch.cat([bt.flatten() for _, bt, _ in adapters]),
+                  torch.stack([bands for _, _, bands in adapters]), twin.float(), x86])
 
 
 def build(target: str, out: Path) -> None:
