@@ -1,6 +1,7 @@
 """Data parallel behind the router: `minivllm serve --data-parallel-size 2` (two engine processes,
 each a real `minivllm serve`, behind the router in the front process), driven as the server tests
-drive one server. The last two tests kill one replica mid-load and stop the other."""
+drive one server, and the prefix-aware policy's key per LoRA adapter. The last two tests kill one replica
+mid-load and stop the other."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from minivllm.router.policies import Router
+from minivllm.router.server import BYTES_PER_BLOCK, MAX_BLOCKS, RoutingKey
 from tests.test_server import (  # noqa: F401 (fixtures and the core cases, run here through the router)
     ServerProcess, client, model_name, scrape, start_server, test_chat_stream_equals_non_stream,
     test_completion_stream_equals_non_stream, test_logprobs, test_malformed_request,
@@ -75,6 +78,27 @@ def test_prefix_aware_keeps_a_shared_system_prompt_on_one_replica(server: Server
     tokens, hits = per_replica(server, "prompt_tokens_total"), per_replica(server, "prefix_cache_hits_total")
     assert {url for url in tokens if tokens[url] > tokens_before[url]} == {served}
     assert hits[served] - hits_before[served] >= 3 * 32  # the three later ones found the system prompt cached
+
+
+def test_prefix_affinity_is_per_adapter() -> None:
+    """The same prompt under two adapters shares no KV in an engine (its blocks are keyed by adapter), so
+    the router keys it apart too; under one adapter twice it keys it the same and keeps it together."""
+    def key(model: str | None) -> RoutingKey:
+        return RoutingKey.of("/v1/completions", json.dumps({"model": model, "prompt": SYSTEM}).encode())
+
+    router = Router.create("prefix-aware", ["r0", "r1"], block_size=BYTES_PER_BLOCK, max_blocks=MAX_BLOCKS)
+    hashes = {model: router.policy.hashes(key(model).units, key(model).salt) for model in ("sql", "poem", None)}
+    assert len(hashes["sql"]) > 1  # several whole blocks of the prompt
+    assert hashes["sql"] == router.policy.hashes(key("sql").units, key("sql").salt)
+    assert not set(hashes["sql"]) & set(hashes["poem"]) and not set(hashes["sql"]) & set(hashes[None])
+
+    def route(request_id: str, model: str | None) -> int:
+        k = key(model)
+        return router.route(request_id, k.units, k.max_tokens, k.prompt_tokens + k.max_tokens, k.salt)
+
+    first = route("a", "sql")
+    assert route("b", "poem") != first  # no affinity: the least loaded replica
+    assert route("c", "sql") == first  # its own blocks: back where they were sent
 
 
 def test_killed_replica_leaves_rotation_waiting_requests_move_streams_end_with_an_error(

@@ -27,6 +27,7 @@ class Routed:
     prompt_token_ids: list[int]
     num_tokens: int  # prompt + max output tokens: the load it brings
     replica: int = -1
+    salt: bytes | None = None  # seeds its first block hash: the LoRA adapter it names (its KV is apart)
 
 
 class RoutingPolicy:
@@ -76,7 +77,9 @@ class PrefixAware(RoutingPolicy):
     """A request whose first KV blocks match blocks sent to a replica before goes to that replica
     (the longest match wins), where its prompt prefix is likely still cached; unless that replica's
     outstanding tokens exceed `load_factor` x the least loaded replica's plus `slack_tokens`: then
-    the least loaded takes it (the load bound). Blocks are hashed as the engine's prefix cache does."""
+    the least loaded takes it (the load bound). Blocks are hashed as the engine's prefix cache does,
+    the first seeded with the request's salt as the engine seeds it with the adapter's: the same prompt
+    under two adapters shares no KV, so it has no affinity either."""
 
     name = "prefix-aware"
 
@@ -86,8 +89,8 @@ class PrefixAware(RoutingPolicy):
         self.load_factor, self.slack_tokens = load_factor, slack_tokens
         self.owner: dict[bytes, int] = {}  # block hash -> the replica it was last sent to
 
-    def hashes(self, token_ids: list[int]) -> list[bytes]:
-        bs, out, parent = self.block_size, [], None
+    def hashes(self, token_ids: list[int], salt: bytes | None = None) -> list[bytes]:
+        bs, out, parent = self.block_size, [], salt
         for i in range(min(len(token_ids) // bs, self.max_blocks)):
             parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
             out.append(parent)
@@ -96,7 +99,7 @@ class PrefixAware(RoutingPolicy):
     def choose(self, request: Routed, replicas: list[ReplicaLoad]) -> int:
         best = least_loaded(replicas)
         match = None
-        for h in self.hashes(request.prompt_token_ids):
+        for h in self.hashes(request.prompt_token_ids, request.salt):
             if h not in self.owner:
                 break
             match = self.owner[h]
@@ -106,7 +109,7 @@ class PrefixAware(RoutingPolicy):
         return match if replicas[match].outstanding_tokens <= bound else best
 
     def on_routed(self, request: Routed) -> None:
-        for h in self.hashes(request.prompt_token_ids):
+        for h in self.hashes(request.prompt_token_ids, request.salt):
             self.owner[h] = request.replica
 
 
@@ -130,10 +133,11 @@ class Router:
         return cls(ROUTING_POLICIES[policy](**policy_args), [ReplicaLoad(n) for n in replica_names])
 
     def route(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-              num_tokens: int | None = None) -> int:
-        """num_tokens: the load it brings, when prompt_token_ids are not tokens (the HTTP router's bytes)."""
+              num_tokens: int | None = None, salt: bytes | None = None) -> int:
+        """num_tokens: the load it brings, when prompt_token_ids are not tokens (the HTTP router's bytes);
+        salt: the adapter the request names (Routed.salt)."""
         request = Routed(request_id, prompt_token_ids,
-                         len(prompt_token_ids) + max_tokens if num_tokens is None else num_tokens)
+                         len(prompt_token_ids) + max_tokens if num_tokens is None else num_tokens, salt=salt)
         request.replica = self.policy.choose(request, self.replicas)
         load = self.replicas[request.replica]
         load.outstanding_tokens += request.num_tokens

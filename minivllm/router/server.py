@@ -72,11 +72,14 @@ class RouterOptions:
 
 @dataclass
 class RoutingKey:
-    """What the policy sees of a request: its prompt as bytes (or token ids) and the load it brings."""
+    """What the policy sees of a request: its prompt as bytes (or token ids), the load it brings, and
+    the model it names as the salt of its blocks (a LoRA adapter's name keeps its prefixes apart; the
+    router does not know the base model's name, so the base named and the base unnamed are two keys)."""
 
     units: list[int]  # only the first blocks: the policy hashes no more
     max_tokens: int
     prompt_tokens: int  # estimated
+    salt: bytes | None = None
 
     @classmethod
     def of(cls, path: str, body: bytes) -> RoutingKey:
@@ -94,8 +97,10 @@ class RoutingKey:
         max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
         if not isinstance(max_tokens, int):
             max_tokens = DEFAULT_MAX_TOKENS[path]
+        model = request.get("model")
         return cls(units[:MAX_BLOCKS * BYTES_PER_BLOCK], max_tokens,
-                   len(units) if units is prompt else len(units) // BYTES_PER_TOKEN)
+                   len(units) if units is prompt else len(units) // BYTES_PER_TOKEN,
+                   model.encode() if isinstance(model, str) else None)
 
 
 @dataclass
@@ -168,7 +173,8 @@ class RouterServer:
         while True:
             request_id = uuid.uuid4().hex
             try:
-                i = self.book.route(request_id, key.units, key.max_tokens, key.prompt_tokens + key.max_tokens)
+                i = self.book.route(request_id, key.units, key.max_tokens, key.prompt_tokens + key.max_tokens,
+                                    key.salt)
             except NoReplicaError:
                 raise APIError(503, "no replica is up: " + "; ".join(
                     f"{r.url}: {r.reason}" for r in self.replicas), None, "no_replica") from None
