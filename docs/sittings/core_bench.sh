@@ -8,7 +8,8 @@
 #       --input-len 64 --output-len 256 --max-concurrency 12` against both servers
 #   (c) idle CPU (user + system, from /proc) of the server's processes over 60 s
 #   (d) vLLM-CPU's api_server vs `minivllm serve`: the fixed workload's lengths, 200 requests, all at once,
-#       then Poisson at 70 % of vLLM's saturated request rate (our TPOT mean and P99 TTFT vs vLLM's)
+#       then Poisson at 70 % of vLLM's saturated request rate (our TPOT mean and P99 TTFT vs vLLM's), each
+#       on a freshly started server (ONLY_RATE70=1: only these, at the rate of an earlier saturated run)
 # Results: /work/runs/core_bench_out/ (one JSON per run, server logs, summary.md at the end).
 # Ports 8441-8449.
 set -u
@@ -124,20 +125,25 @@ run_vllm() {  # tag checkpoint model-args...
   local tag=$1 ckpt=$2; shift 2
   local margs=("$@") rate
   log "== $tag: vLLM-CPU api_server vs minivllm serve, $VLLM_PROMPTS requests of the fixed workload"
-  if start_vllm "$tag-vllm-server" 8445 "$ckpt"; then
+  if [ -z "${ONLY_RATE70:-}" ]; then
+    start_vllm "$tag-vllm-server" 8445 "$ckpt" || return
     bench_serve "$tag-vllm-sat" 8445 "${margs[@]}" --dataset fixed --num-prompts "$VLLM_PROMPTS"
-    rate=$("$PY" -c "import json; print(0.7 * json.load(open('$OUT/$tag-vllm-sat.json'))['metrics']['request_throughput'])")
-    echo "$rate" > "$OUT/$tag-rate70"
-    [ -z "${SKIP_RATE70:-}" ] && bench_serve "$tag-vllm-rate70" 8445 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
     stop_server
-  else
-    return
-  fi
-  if start_minivllm "$tag-serve-vs-vllm" 8446 "${margs[@]}"; then
+    start_minivllm "$tag-serve-vs-vllm" 8446 "${margs[@]}" || return
     bench_serve "$tag-minivllm-sat" 8446 "${margs[@]}" --dataset fixed --num-prompts "$VLLM_PROMPTS"
-    [ -z "${SKIP_RATE70:-}" ] && bench_serve "$tag-minivllm-rate70" 8446 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
     stop_server
   fi
+  [ -n "${SKIP_RATE70:-}" ] && return
+  rate=$("$PY" -c "import json; print(0.7 * json.load(open('$OUT/$tag-vllm-sat.json'))['metrics']['request_throughput'])")
+  echo "$rate" > "$OUT/$tag-rate70"
+  # Each Poisson run starts on a fresh server: after the saturated run (the same 200 prompts) a server
+  # serves them from its prefix cache, as much as its KV pool keeps (vLLM's 2 GiB kept nearly all).
+  start_vllm "$tag-vllm-server-rate70" 8445 "$ckpt" || return
+  bench_serve "$tag-vllm-rate70" 8445 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
+  stop_server
+  start_minivllm "$tag-serve-rate70" 8446 "${margs[@]}" || return
+  bench_serve "$tag-minivllm-rate70" 8446 "${margs[@]}" --dataset fixed --num-prompts 200 --request-rate "$rate"
+  stop_server
 }
 
 log "start: REPO=$REPO commit $(git -C "$REPO" rev-parse --short HEAD)"
