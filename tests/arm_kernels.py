@@ -25,10 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from minivllm.lora.adapter import AdapterWeights, LoRAFactors
 from minivllm.lora.layers import lora_twin, padded_columns
+from minivllm.lora.manager import Target, TargetWeights, target_layout
 from minivllm.model import gguf_quants, kernels, quant
 from minivllm.model.attention import kv_cache_shapes
-from minivllm.model.kernels import CSRC, LORA_CHUNK, LORA_LANES, SOURCES, compile_flags
+from minivllm.model.kernels import CSRC, SOURCES, compile_flags
 from minivllm.model.kv_cache import KVCache, kv_format
 from minivllm.model.decoder import RMSNorm
 from tests.test_kernels import _attend, reference
@@ -39,6 +41,8 @@ CC = "aarch64-linux-gnu-gcc"
 DRIVER = Path(__file__).with_name("arm_driver.c")
 QGEMM, GEMM, ATTENTION, RMS_NORM, SILU, LORA = 1, 2, 3, 4, 5, 6  # arm_driver.c's case kinds
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The LoRA cases' layer: a fused gate/up of two projections, 150 columns (not whole chunks of LORA_CHUNK)
+LORA_TARGET = Target(0, torch.nn.Linear(200, 150, bias=False), {"gate_proj": (0, 70), "up_proj": (70, 80)})
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -133,34 +137,24 @@ def _layer_op_cases(lib, dtype: torch.dtype, gen: torch.Generator) -> list[bytes
                   [gate_up, silu_ref, ops.act_and_mul(gate_up)])]
 
 
-def _lora_adapter(k: int, n_pad: int, parts: list[tuple[int, int, int]], dtype: torch.dtype,
-                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AT, BT and bands in lora/manager.py's layout for projections `parts` (first output column, columns,
-    rank): their A^T side by side, B^T block-diagonal, rank padded to LORA_LANES; factors of unit scale
-    so that B A x is as large as the base output. The bands are read off BT's rows that are not zero."""
-    rank = -(-sum(r for _, _, r in parts) // LORA_LANES) * LORA_LANES
-    at, bt = torch.zeros(k, rank), torch.zeros(rank, n_pad)
-    col = 0
-    for first, cols, r in parts:
-        at[:, col:col + r] = torch.randn(k, r, generator=gen) / k ** 0.5
-        bt[col:col + r, first:first + cols] = torch.randn(r, cols, generator=gen) / r ** 0.5
-        col += r
-    at, bt = at.to(dtype), bt.to(dtype)
-    bands = []
-    for chunk in bt.split(LORA_CHUNK, dim=1):
-        rows = chunk.ne(0).any(dim=1).nonzero().flatten().tolist()
-        bands.append([rows[0], rows[-1] + 1] if rows else [0, 0])
-    return at, bt, torch.tensor(bands, dtype=torch.int64)
+def _lora_adapter(k: int, n_pad: int, ranks: dict[str, int], dtype: torch.dtype,
+                  gen: torch.Generator) -> TargetWeights:
+    """An adapter of the given rank per projection on LORA_TARGET, in the layout the engine loads
+    (lora/manager.py's target_layout); factors of unit scale so that B A x is as large as the base output."""
+    factors = {(0, p): LoRAFactors(torch.randn(r, k, generator=gen) / k ** 0.5,
+                                   torch.randn(LORA_TARGET.slices[p][1], r, generator=gen) / r ** 0.5)
+               for p, r in ranks.items()}
+    return target_layout(AdapterWeights(factors, b""), LORA_TARGET, n_pad, torch.device("cpu"), dtype)
 
 
 def _lora_case(lib, dtype: torch.dtype, gen: torch.Generator) -> bytes:
     """csrc/lora.c on a segmented step of a fused layer (two projections, n not whole chunks): segments of
     three adapters (one fills a single projection, one a padded rank), one adapter twice, a segment whose
     adapter leaves the layer alone and rows of no adapter; against lora_twin per segment."""
-    k, n = 200, 150
+    k, n = LORA_TARGET.linear.in_features, LORA_TARGET.linear.out_features
     n_pad = padded_columns(n)
-    adapters = [_lora_adapter(k, n_pad, parts, dtype, gen)
-                for parts in ([(0, 70, 8), (70, 80, 8)], [(0, 150, 20)], [(70, 80, 4)])]
+    adapters = [_lora_adapter(k, n_pad, ranks, dtype, gen) for ranks in
+                ({"gate_proj": 8, "up_proj": 8}, {"gate_proj": 10, "up_proj": 10}, {"up_proj": 4})]
     # (first row, rows, adapter; -1: one that leaves this layer alone); rows 5 and 14 are in no segment
     segments = [(0, 5, 0), (6, 3, 1), (9, 1, -1), (10, 4, 2), (15, 2, 0)]
     rows = 17
@@ -169,11 +163,10 @@ def _lora_case(lib, dtype: torch.dtype, gen: torch.Generator) -> bytes:
     for first, count, a in segments:
         if a >= 0:
             span = slice(first, first + count)
-            twin[span] = lora_twin(x[span], base[span], adapters[a][0], adapters[a][1])
+            twin[span] = lora_twin(x[span], base[span], adapters[a].at, adapters[a].bt)
     x86 = base.clone()
     starts, lens = (torch.tensor(c, dtype=torch.int64) for c in list(zip(*segments))[:2])
-    weights = torch.tensor([[adapters[a][0].data_ptr(), adapters[a][1].data_ptr(), adapters[a][2].data_ptr(),
-                             adapters[a][0].shape[1]] if a >= 0 else [0, 0, 0, 0] for _, _, a in segments],
+    weights = torch.tensor([adapters[a].address() if a >= 0 else [0, 0, 0, 0] for _, _, a in segments],
                            dtype=torch.int64)
     getattr(lib, f"lora_{kernels._DTYPE_SUFFIX[dtype]}")(x.data_ptr(), k, x86.data_ptr(), n, k, n, n_pad,
                                                          len(segments), starts.data_ptr(), lens.data_ptr(),
@@ -182,9 +175,9 @@ def _lora_case(lib, dtype: torch.dtype, gen: torch.Generator) -> bytes:
     atol, rtol = (1e-6 * scale, 1e-4) if dtype == torch.float32 else (2 ** -7 * scale, 2 ** -7)
     return _case(f"lora {dtype}", LORA, dtype, [rows, k, n, n_pad, len(segments)], [atol, rtol],
                  [x, base, torch.tensor(segments, dtype=torch.int64),
-                  torch.tensor([at.shape[1] for at, _, _ in adapters], dtype=torch.int64),
-                  torch.cat([at.flatten() for at, _, _ in adapters]), torch.cat([bt.flatten() for _, bt, _ in adapters]),
-                  torch.stack([bands for _, _, bands in adapters]), twin.float(), x86])
+                  torch.tensor([w.at.shape[1] for w in adapters], dtype=torch.int64),
+                  torch.cat([w.at.flatten() for w in adapters]), torch.cat([w.bt.flatten() for w in adapters]),
+                  torch.stack([w.bands for w in adapters]), twin.float(), x86])
 
 
 def build(target: str, out: Path) -> None:

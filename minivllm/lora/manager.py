@@ -47,6 +47,36 @@ class TargetWeights:
     bt: torch.Tensor  # [padded rank, n_pad], the model's dtype: their B^T (scaled), block-diagonal
     bands: torch.Tensor  # int64 [chunks of LORA_CHUNK columns, 2]: the rows of bt not zero there, [lo, hi)
 
+    def address(self) -> list[int]:
+        """What csrc/lora.c reads of it per segment: AT's address, BT's, the bands', the padded rank."""
+        return [self.at.data_ptr(), self.bt.data_ptr(), self.bands.data_ptr(), self.at.shape[1]]
+
+
+def target_layout(weights: AdapterWeights, target: Target, n_pad: int, device: torch.device,
+                  dtype: torch.dtype) -> TargetWeights | None:
+    """One target's weights: the projections' A^T side by side, B^T block-diagonal; rank padded to
+    LORA_LANES and columns to n_pad with zeros, and per chunk of columns the band of B^T's rows
+    that is not zero there (the kernel skips the rest)."""
+    parts = [(weights.factors[(target.layer, p)], target.slices[p]) for p in PROJECTIONS
+             if p in target.slices and (target.layer, p) in weights.factors]
+    if not parts:
+        return None
+    total = sum(f.a.shape[0] for f, _ in parts)
+    padded = -(-total // LORA_LANES) * LORA_LANES
+    at = torch.zeros(target.linear.in_features, padded)
+    bt = torch.zeros(padded, n_pad)
+    bands = torch.zeros(n_pad // LORA_CHUNK, 2, dtype=torch.int64)
+    col = 0
+    for f, (row0, rows) in parts:
+        r = f.a.shape[0]
+        at[:, col:col + r] = f.a.T
+        bt[col:col + r, row0:row0 + rows] = f.b.T
+        chunks = bands[row0 // LORA_CHUNK:-(-(row0 + rows) // LORA_CHUNK)]
+        chunks[:, 0] = torch.where(chunks[:, 1] > 0, chunks[:, 0], col)  # the first part in the chunk sets lo
+        chunks[:, 1] = col + r
+        col += r
+    return TargetWeights(at.to(device, dtype), bt.to(device, dtype), bands)
+
 
 @dataclass(eq=False)
 class LoadedAdapter:
@@ -112,10 +142,9 @@ class LoRAManager:
         cfg = self.model.config
         weights = read_adapter(request.lora_path, cfg.num_attention_heads, cfg.num_key_value_heads)
         self._check(weights, request)
-        per_target = [self._layout(weights, target, padded_columns(target.linear.out_features))
-                      for target in self.targets]
-        addresses = torch.tensor([[w.at.data_ptr(), w.bt.data_ptr(), w.bands.data_ptr(), w.at.shape[1]] if w
-                                  else [0, 0, 0, 0] for w in per_target], dtype=torch.int64)
+        per_target = [target_layout(weights, target, padded_columns(target.linear.out_features), self.device,
+                                    self.dtype) for target in self.targets]
+        addresses = torch.tensor([w.address() if w else [0, 0, 0, 0] for w in per_target], dtype=torch.int64)
         return LoadedAdapter(request, per_target, addresses, weights.fingerprint)
 
     def _check(self, weights: AdapterWeights, request: LoRARequest) -> None:
@@ -133,27 +162,3 @@ class LoRAManager:
                 raise AdapterError(f"{where}: layer {layer} {projection}: shape mismatch: lora_A {tuple(f.a.shape)}"
                                    f" and lora_B {tuple(f.b.shape)} do not fit the model's "
                                    f"[{rows}, {target.linear.in_features}] weight")
-
-    def _layout(self, weights: AdapterWeights, target: Target, n_pad: int) -> TargetWeights | None:
-        """One target's weights: the projections' A^T side by side, B^T block-diagonal; rank padded to
-        LORA_LANES and columns to n_pad with zeros, and per chunk of columns the band of B^T's rows
-        that is not zero there (the kernel skips the rest)."""
-        parts = [(weights.factors[(target.layer, p)], target.slices[p]) for p in PROJECTIONS
-                 if p in target.slices and (target.layer, p) in weights.factors]
-        if not parts:
-            return None
-        total = sum(f.a.shape[0] for f, _ in parts)
-        padded = -(-total // LORA_LANES) * LORA_LANES
-        at = torch.zeros(target.linear.in_features, padded)
-        bt = torch.zeros(padded, n_pad)
-        bands = torch.zeros(n_pad // LORA_CHUNK, 2, dtype=torch.int64)
-        col = 0
-        for f, (row0, rows) in parts:
-            r = f.a.shape[0]
-            at[:, col:col + r] = f.a.T
-            bt[col:col + r, row0:row0 + rows] = f.b.T
-            chunks = bands[row0 // LORA_CHUNK:-(-(row0 + rows) // LORA_CHUNK)]
-            chunks[:, 0] = torch.where(chunks[:, 1] > 0, chunks[:, 0], col)  # the first part in the chunk sets lo
-            chunks[:, 1] = col + r
-            col += r
-        return TargetWeights(at.to(self.device, self.dtype), bt.to(self.device, self.dtype), bands)
