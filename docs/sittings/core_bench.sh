@@ -23,7 +23,6 @@ IDLE_S=60
 VLLM_PROMPTS=${VLLM_PROMPTS:-200}  # requests of the saturated vLLM comparison (SKIP_RATE70=1: no Poisson run)
 pid=""
 
-
 start_minivllm() {  # name port args...
   local name=$1 port=$2; shift 2
   $MV serve --port "$port" "$@" > "$OUT/$name.log" 2>&1 &
@@ -63,7 +62,10 @@ idle_cpu() {  # name: CPU of the server's process tree over IDLE_S idle seconds 
   before=$(cpu_ticks $pids)
   sleep "$IDLE_S"
   after=$(cpu_ticks $pids)
-  echo "{\"pids\": \"$(echo $pids)\", \"seconds\": $IDLE_S, \"cpu_seconds\": $(echo "($after - $before) / $hz" | bc -l), \"percent_of_one_core\": $(echo "100 * ($after - $before) / $hz / $IDLE_S" | bc -l)}" > "$OUT/$name-idle.json"
+  # printf, not bc's own output: bc writes .16 for 0.16, which is not JSON
+  printf '{"pids": "%s", "seconds": %d, "cpu_seconds": %.4f, "percent_of_one_core": %.4f}\n' "$(echo $pids)" "$IDLE_S" \
+    "$(echo "($after - $before) / $hz" | bc -l)" "$(echo "100 * ($after - $before) / $hz / $IDLE_S" | bc -l)" \
+    > "$OUT/$name-idle.json"
   log "$name idle: $(cat "$OUT/$name-idle.json")"
 }
 
