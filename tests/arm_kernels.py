@@ -68,7 +68,7 @@ def cases() -> bytes:
     out = []
     for dtype in DTYPES:
         for qtype, fmt in gguf_quants.BLOCK_FORMATS.items():  # the quantized GEMM: every format, as test_quant.py
-            n, k, rows = 100, _k(fmt.name), 67
+            n, k, rows = 100, _k(fmt.name), 131
             t, _ = _tensor(fmt.name, n, k, seed=1)
             weight = quant.QuantizedWeight.of(t)
             x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, generator=gen)

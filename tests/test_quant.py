@@ -34,8 +34,9 @@ def _tensor(qtype: str, n: int, k: int, seed: int = 0) -> tuple[quant.QuantizedT
 
 
 def _k(qtype: str) -> int:
-    """A width of 7 blocks of 32 (no whole chunk of 8), or 2 super-blocks of 256."""
-    return 512 if gguf_quants.BLOCK_FORMATS[_id(qtype)].block_size == 256 else 224
+    """The kernel's chunks are 32 blocks of 32: a width of a chunk and one block more (33 blocks of 32),
+    or of a chunk and a part (5 super-blocks of 256)."""
+    return 1280 if gguf_quants.BLOCK_FORMATS[_id(qtype)].block_size == 256 else 1056
 
 
 def _id(name: str) -> int:
@@ -57,14 +58,14 @@ def test_every_format_decodes_as_the_gguf_package_does(qtype: str) -> None:
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_twin_and_is_batch_invariant(qtype: str, dtype: torch.dtype, cpu_target: str) -> None:
-    """On each target this machine runs: a partial panel of columns, a bias, 67 rows (past one 64-row
+    """On each target this machine runs: a partial panel of columns, a bias, 131 rows (past one 128-row
     block); the twin against a float matmul on the gguf package's weights; the kernel against the twin;
     then every row alone: the same bits; and an embedding's rows."""
     kernel = quant_gemm(CPU, dtype)
     if kernel is None:
         pytest.skip(f"no native quantized kernel for {cpu_target} (no compiler, no simd.h section, or "
                     "MINIVLLM_NO_KERNELS)")
-    n, k, rows = 100, _k(qtype), 67
+    n, k, rows = 100, _k(qtype), 131
     t, expected = _tensor(qtype, n, k, seed=1)
     weight = quant.QuantizedWeight.of(t)
     bias = torch.randn(n)
