@@ -34,7 +34,7 @@ from minivllm.model.kernels import CSRC, SOURCES, compile_flags
 from minivllm.model.kv_cache import KVCache, kv_format
 from minivllm.model.decoder import RMSNorm
 from tests.test_kernels import _attend, reference
-from tests.test_quant import _k, _tensor
+from tests.test_quant import ROWS, _k, _tensor
 
 TARGETS = ["armv8.2-a+dotprod", "armv8.2-a+dotprod+i8mm"]
 CC = "aarch64-linux-gnu-gcc"
@@ -68,7 +68,7 @@ def cases() -> bytes:
     out = []
     for dtype in DTYPES:
         for qtype, fmt in gguf_quants.BLOCK_FORMATS.items():  # the quantized GEMM: every format, as test_quant.py
-            n, k, rows = 100, _k(fmt.name), 131
+            n, k, rows = 100, _k(fmt.name), ROWS
             t, _ = _tensor(fmt.name, n, k, seed=1)
             weight = quant.QuantizedWeight.of(t)
             x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, generator=gen)

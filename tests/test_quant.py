@@ -33,6 +33,9 @@ def _tensor(qtype: str, n: int, k: int, seed: int = 0) -> tuple[quant.QuantizedT
     return quant.QuantizedTensor(torch.from_numpy(data), int(kind)), expected.view(n, k)
 
 
+ROWS = 131  # past one of the kernel's row blocks of 128
+
+
 def _k(qtype: str) -> int:
     """The kernel's chunks are 32 blocks of 32: a width of a chunk and one block more (33 blocks of 32),
     or of a chunk and a part (5 super-blocks of 256)."""
@@ -65,7 +68,7 @@ def test_kernel_matches_twin_and_is_batch_invariant(qtype: str, dtype: torch.dty
     if kernel is None:
         pytest.skip(f"no native quantized kernel for {cpu_target} (no compiler, no simd.h section, or "
                     "MINIVLLM_NO_KERNELS)")
-    n, k, rows = 100, _k(qtype), 131
+    n, k, rows = 100, _k(qtype), ROWS
     t, expected = _tensor(qtype, n, k, seed=1)
     weight = quant.QuantizedWeight.of(t)
     bias = torch.randn(n)
@@ -118,7 +121,7 @@ def test_integer_sums_stay_exact_at_the_extremes(dtype: torch.dtype, cpu_target:
 
 def test_every_target_computes_the_same_bits() -> None:
     """simd.h's sections do the same integer sums and the same float steps per output on every target,
-    so the quantized GEMM (every format, 67 rows and one alone) and the float GEMM (1, 2 and 13 rows: the
+    so the quantized GEMM (every format, ROWS rows and one alone) and the float GEMM (1, 2 and 13 rows: the
     AVX-512 build's vdpbf16ps and FMA paths) give the same bits on every x86 target this machine runs:
     AVX-512, AVX2 with vpmaddubsw (its saturation kept out of Q8_0's and IQ4's sums) and AVX2 with AVX-VNNI.
     The bound across targets is 0."""
@@ -131,7 +134,7 @@ def test_every_target_computes_the_same_bits() -> None:
         for qtype in FORMATS:
             t, _ = _tensor(qtype, 100, _k(qtype), seed=2)
             weight = quant.QuantizedWeight.of(t)
-            x, bias = torch.randn(67, _k(qtype), generator=gen).to(dtype), torch.randn(100, generator=gen)
+            x, bias = torch.randn(ROWS, _k(qtype), generator=gen).to(dtype), torch.randn(100, generator=gen)
             outs = []
             for lib in libs:
                 weight.use_kernel(kernels.QuantGemm(lib, dtype), dtype)
