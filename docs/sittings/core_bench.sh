@@ -193,8 +193,8 @@ for tag in ("default", "q05b"):
                   f"{fmt(v / off_tps if off_tps else None, '{:.0%}')} | >= 90% |")
             print(f"| {tag} | time breakdown ms ({mode}, fixed) | {sat.get('time_breakdown_ms')} | | | |")
         ratios, i = [], 1
-        while (s12 := load(f"{tag}-{mode}-12streams-{i}")) and (after := load(f"{tag}-{mode}-b12-{i}")):
-            before = load(f"{tag}-{mode}-b12-{i - 1}")
+        while all(run := [load(f"{tag}-{mode}-{name}") for name in (f"b12-{i - 1}", f"12streams-{i}", f"b12-{i}")]):
+            before, s12, after = run
             dec = [12 * 1000 / b["result"]["decode_step_ms"] for b in (before, after)]
             v = s12["metrics"]["output_throughput"]
             ratios.append(v / (sum(dec) / 2))
