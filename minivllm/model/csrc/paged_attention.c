@@ -45,7 +45,7 @@
 #define MAX_GROUP 16
 #define MAX_BLOCK_SIZE 64
 #define Q_TILE 8           /* queries of one sequence that share each K/V tile */
-#define PREFETCH_BLOCKS 2
+#define PREFETCH_BLOCKS 6
 #define CHAINS 4           /* head_dim must be a multiple (kernels.py checks) */
 #define SCORE_ALIGN 16     /* floats: score rows start on 64 bytes and are padded to this */
 #define MASKED -1e30f      /* score of a padded slot: expf gives exactly 0 */
@@ -85,9 +85,12 @@ static inline void e5m2_tile(const uint8_t *src, tile_t *dst, int64_t n) {
 
 /* Blocks are scattered in the pool and the hardware prefetcher cannot guess the jumps: the score
  * pass asks for the K tile PREFETCH_BLOCKS ahead and for this block's V tile, which the value pass
- * will want next. */
+ * will want next. Into L2, not L1 (locality 1): prefetches into L1 held the L1 miss buffers that the
+ * tile conversion's own loads wait for. On a 2-core Zen 4 a decode step's attention (64 sequences of
+ * 400 tokens, SmolLM2's shapes) took 40-46 ms this way against 52-62 ms with L1 prefetches 2 blocks
+ * ahead (BENCHMARKS.md, issue 30's sixth sitting). */
 static inline void prefetch_tile(const void *tile, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)tile + i);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)tile + i, 0, 1);
 }
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
