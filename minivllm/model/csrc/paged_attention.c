@@ -85,10 +85,11 @@ static inline void e5m2_tile(const uint8_t *src, tile_t *dst, int64_t n) {
 
 /* Blocks are scattered in the pool and the hardware prefetcher cannot guess the jumps: the score
  * pass asks for the K tile PREFETCH_BLOCKS ahead and for this block's V tile, which the value pass
- * will want next. Into L2, not L1 (locality 1): prefetches into L1 held the L1 miss buffers that the
- * tile conversion's own loads wait for. On a 2-core Zen 4 a decode step's attention (64 sequences of
- * 400 tokens, SmolLM2's shapes, `bench kernels`) took 49-51 ms this way against 63-71 ms with L1
- * prefetches 2 blocks ahead (BENCHMARKS.md, issue 30's sixth sitting). */
+ * will want next. With locality 1 (prefetcht2 on x86, which AMD fills into L2; PLDL3KEEP on Arm), not
+ * into L1: prefetches into L1 held the L1 miss buffers that the tile conversion's own loads wait for.
+ * On a 2-core Zen 4 a decode step's attention (64 sequences of 400 tokens, SmolLM2's shapes, `bench
+ * kernels`) took 49-51 ms this way against 63-71 ms with L1 prefetches 2 blocks ahead (BENCHMARKS.md,
+ * issue 30's sixth sitting). */
 static inline void prefetch_tile(const void *tile, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)tile + i, 0, 1);
 }
