@@ -85,6 +85,7 @@ static inline void vec_store_bf16_n(uint16_t *p, vec v, int n) {
 static inline ivec ivec_load(const void *p) { return _mm512_loadu_si512(p); }
 static inline void ivec_store(void *p, ivec v) { _mm512_storeu_si512(p, v); }
 static inline ivec ivec_zero(void) { return _mm512_setzero_si512(); }
+static inline ivec ivec_set1_32(int32_t x) { return _mm512_set1_epi32(x); }
 static inline ivec ivec_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 static inline ivec ivec_and8(ivec a, uint8_t c) { return _mm512_and_si512(a, _mm512_set1_epi8((char)c)); }
 static inline ivec ivec_shr16(ivec a, int n) { return _mm512_srli_epi16(a, n); }
@@ -182,6 +183,7 @@ static inline void vec_store_bf16_n(uint16_t *p, vec v, int n) {  /* round to ne
 static inline ivec ivec_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void ivec_store(void *p, ivec v) { _mm256_storeu_si256((__m256i *)p, v); }
 static inline ivec ivec_zero(void) { return _mm256_setzero_si256(); }
+static inline ivec ivec_set1_32(int32_t x) { return _mm256_set1_epi32(x); }
 static inline ivec ivec_or(ivec a, ivec b) { return _mm256_or_si256(a, b); }
 static inline ivec ivec_and8(ivec a, uint8_t c) { return _mm256_and_si256(a, _mm256_set1_epi8((char)c)); }
 static inline ivec ivec_shr16(ivec a, int n) { return _mm256_srli_epi16(a, n); }
@@ -313,6 +315,7 @@ static inline void vec_store_bf16_n(uint16_t *p, vec v, int n) {  /* round to ne
 static inline ivec ivec_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
 static inline void ivec_store(void *p, ivec v) { vst1q_u8((uint8_t *)p, v); }
 static inline ivec ivec_zero(void) { return vdupq_n_u8(0); }
+static inline ivec ivec_set1_32(int32_t x) { return vreinterpretq_u8_s32(vdupq_n_s32(x)); }
 static inline ivec ivec_or(ivec a, ivec b) { return vorrq_u8(a, b); }
 static inline ivec ivec_and8(ivec a, uint8_t c) { return vandq_u8(a, vdupq_n_u8(c)); }
 /* Shifts by a register (a negative count shifts right): the counts need not be literals. */
