@@ -14,9 +14,11 @@
  * in float32. A format without a min has m = -offset * d (its integers are v - offset), and there the
  * second term goes into the integers instead: (isum - offset * sum of x8) * (d * dx), the integer part
  * exact. The float steps share the VNNI pipes with the dot products, so this takes one of the four per
- * group and 16 columns off the formats most files are made of (Q5_0, Q6_K, Q8_0): the 0.5B file's
- * layer GEMMs and LM head 5-7 % faster at 56 and 512 rows, calls alternated in one process on a Zen 4.
- * A row's quantization and sums depend on that row alone, and the integer sums are exact, so a row's result is the same bits whether the call has 1 row or 2,048 (issue 12), and a token is
+ * group and 16 columns off the formats most files are made of (Q5_0, Q6_K, Q8_0). On a Zen 4 the 0.5B
+ * file's layer GEMMs and LM head ran 5.5-6.6 % faster at 56 rows (a decode step), and -1.5 to +4.7 % at
+ * 512, with the calls of the two builds alternated in one process (BENCHMARKS.md, issue 30's seventh
+ * sitting). A row's quantization and sums depend on that row alone, and the integer sums are exact, so a
+ * row's result is the same bits whether the call has 1 row or 2,048 (issue 12), and a token is
  * quantized the same way in a prefill, a chunk or a decode.
  *
  * How: the one per-format part is `decode_regs`, a 32-k block of 16 columns into bytes u in vpdpbusd's
