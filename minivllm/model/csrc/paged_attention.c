@@ -48,7 +48,8 @@
 #define PREFETCH_BLOCKS 6
 #define CHAINS 4           /* head_dim must be a multiple (kernels.py checks) */
 #define SCORE_ALIGN 16     /* floats: score rows start on 64 bytes and are padded to this */
-#define MASKED -1e30f      /* score of a padded slot: expf gives exactly 0 */
+#define MASKED -1e30f      /* score of a padded slot (its weight is set to 0) */
+#define EXP_FLOOR -87.f    /* e^-87 is a normal float; the vector expf handles it in its fast path */
 
 /* A tile of K or V converted to float32. Written through `u` for bf16 (a shift per element, which
  * vectorizes), read through `f`: C11 allows reading a union through another member. */
@@ -96,6 +97,83 @@ static inline void prefetch_tile(const void *tile, int64_t bytes) {
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
+/* The common shape, head_dim 64 and blocks of 16 tokens, in 16-float vectors (GCC's vector extension:
+ * zmm registers on AVX-512, pairs of ymm on AVX2, quads of q on NEON), up to HEADS_AT_ONCE query heads
+ * of a kv group at a time. Each K or V row is loaded once for those heads: with a row reloaded per head,
+ * as the general loops do, the loads (a vector row and a broadcast per FMA) bound the passes, not the
+ * FMAs. A head's arithmetic is the same in every call (its chunk of heads depends on the group size
+ * alone), so every query still depends on its own context only. */
+#define HEADS_AT_ONCE 4
+typedef float vf16 __attribute__((vector_size(64)));
+
+static inline vf16 load16(const float *p) { vf16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
+
+/* A row that several heads' FMAs use, held in a register: GCC would otherwise fold its load into each
+ * FMA, which made a prefill's attention 1.3x as long on Zen 4 (a 512-bit load and a broadcast per FMA). */
+static inline vf16 in_register(vf16 v) {
+#ifdef __AVX512F__
+    __asm__("" : "+v"(v));
+#endif
+    return v;
+}
+
+/* Scores of one block for HB heads: out[g][t] = sum_d q[g][d] K[d][t], in CHAINS chains (d mod CHAINS)
+ * summed at the end, as the general loop sums them. */
+#define DEFINE_SCORES16(HB)                                                                             \
+static inline void scores16_##HB(const float *restrict k, const float (*restrict q)[MAX_HEAD_DIM],    \
+                                 float (*restrict out)[MAX_BLOCK_SIZE]) {                              \
+    vf16 s[HB][CHAINS];                                                                                 \
+    for (int g = 0; g < HB; g++)                                                                        \
+        for (int c = 0; c < CHAINS; c++) s[g][c] = (vf16){0};                                           \
+    for (int d = 0; d < 64; d += CHAINS)                                                                \
+        for (int c = 0; c < CHAINS; c++) {                                                              \
+            const vf16 row = in_register(load16(k + (d + c) * 16));                                     \
+            for (int g = 0; g < HB; g++) s[g][c] += q[g][d + c] * row;                                  \
+        }                                                                                               \
+    for (int g = 0; g < HB; g++) store16(out[g], s[g][0] + s[g][1] + s[g][2] + s[g][3]);               \
+}
+
+/* acc[g][d] += sum over the block's first n tokens of p[g][t] V[t][d], for HB heads, token by token. */
+#define DEFINE_VALUES16(HB)                                                                             \
+static inline void values16_##HB(const float *restrict v, const float *const *p, int64_t n,            \
+                                 float (*restrict acc)[MAX_HEAD_DIM]) {                                \
+    vf16 a[HB][4];                                                                                      \
+    for (int g = 0; g < HB; g++)                                                                        \
+        for (int i = 0; i < 4; i++) a[g][i] = load16(acc[g] + 16 * i);                                  \
+    for (int64_t t = 0; t < n; t++) {                                                                   \
+        vf16 row[4];                                                                                    \
+        for (int i = 0; i < 4; i++) row[i] = in_register(load16(v + t * 64 + 16 * i));                  \
+        for (int g = 0; g < HB; g++) {                                                                  \
+            const float w = p[g][t];                                                                    \
+            for (int i = 0; i < 4; i++) a[g][i] += w * row[i];                                          \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int g = 0; g < HB; g++)                                                                        \
+        for (int i = 0; i < 4; i++) store16(acc[g] + 16 * i, a[g][i]);                                  \
+}
+
+DEFINE_SCORES16(1) DEFINE_SCORES16(2) DEFINE_SCORES16(3) DEFINE_SCORES16(4)
+DEFINE_VALUES16(1) DEFINE_VALUES16(2) DEFINE_VALUES16(3) DEFINE_VALUES16(4)
+
+static inline void scores16(int hb, const float *k, const float (*q)[MAX_HEAD_DIM], float (*out)[MAX_BLOCK_SIZE]) {
+    switch (hb) {
+        case 1: scores16_1(k, q, out); break;
+        case 2: scores16_2(k, q, out); break;
+        case 3: scores16_3(k, q, out); break;
+        default: scores16_4(k, q, out); break;
+    }
+}
+
+static inline void values16(int hb, const float *v, const float *const *p, int64_t n, float (*acc)[MAX_HEAD_DIM]) {
+    switch (hb) {
+        case 1: values16_1(v, p, n, acc); break;
+        case 2: values16_2(v, p, n, acc); break;
+        case 3: values16_3(v, p, n, acc); break;
+        default: values16_4(v, p, n, acc); break;
+    }
+}
+
 /* The first token a query with `ctx` tokens of context sees: ctx - window under a sliding window (the
  * query itself and the window - 1 before it, as transformers masks), else 0. window 0: none. */
 static inline int64_t first_visible(int64_t ctx, int64_t window) { return window && ctx > window ? ctx - window : 0; }
@@ -109,8 +187,15 @@ static inline void softmax_row(float *restrict sc, int64_t lo, int64_t ctx, int6
     for (int64_t t = 0; t < lo; t++) sc[t] = MASKED;
     for (int64_t t = ctx; t < padded; t++) sc[t] = MASKED;
     sc = __builtin_assume_aligned(sc, 64);
+    /* The vector expf computes an argument below its range (a masked slot's) lane by lane with a
+     * scalar call, which cost about a tenth of a prefill's attention: arguments are clamped to
+     * EXP_FLOOR and masked slots set to 0 by their index. */
     _Pragma("omp simd reduction(+:sum) aligned(sc:64)")
-    for (int64_t t = 0; t < padded; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
+    for (int64_t t = 0; t < padded; t++) {
+        const float x = sc[t] - m, e = expf(x > EXP_FLOOR ? x : EXP_FLOOR);
+        sc[t] = t >= lo && t < ctx ? e : 0.f;
+        sum += sc[t];
+    }
     const float inv = 1.f / sum;
     _Pragma("omp simd aligned(sc:64)")
     for (int64_t t = 0; t < padded; t++) sc[t] *= inv;
@@ -152,20 +237,30 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t j = 0; j < nq; j++) {                                                                 \
             if (b * block_size >= ctx0 + j) continue;  /* this query's context ends before the block */   \
             if ((b + 1) * block_size <= first_visible(ctx0 + j, window)) continue;  /* or its window starts after */ \
+            float sums[MAX_GROUP][MAX_BLOCK_SIZE];                                                         \
+            if (head_dim == 64 && block_size == 16) {                                                      \
+                for (int64_t g = 0; g < group; g += HEADS_AT_ONCE)                                         \
+                    scores16((int)(group - g < HEADS_AT_ONCE ? group - g : HEADS_AT_ONCE), kv,             \
+                             (const float (*)[MAX_HEAD_DIM])qf[j][g], sums + g);                           \
+            } else {                                                                                       \
+                for (int64_t g = 0; g < group; g++) {                                                      \
+                    /* CHAINS partial sums (d mod CHAINS) keep that many FMAs in flight. */                \
+                    float s[CHAINS][MAX_BLOCK_SIZE] = {{0}};                                               \
+                    for (int64_t d = 0; d < head_dim; d += CHAINS)                                         \
+                        for (int64_t c = 0; c < CHAINS; c++) {                                             \
+                            _Pragma("omp simd")                                                            \
+                            for (int64_t t = 0; t < block_size; t++)                                       \
+                                s[c][t] += qf[j][g][d + c] * kv[(d + c) * block_size + t];                 \
+                        }                                                                                  \
+                    _Pragma("omp simd")                                                                    \
+                    for (int64_t t = 0; t < block_size; t++) sums[g][t] = s[0][t] + s[1][t] + s[2][t] + s[3][t]; \
+                }                                                                                          \
+            }                                                                                              \
             for (int64_t g = 0; g < group; g++) {                                                          \
-                /* CHAINS partial sums (d mod CHAINS) keep that many FMAs in flight instead of one chain. */ \
-                float s[CHAINS][MAX_BLOCK_SIZE] = {{0}};                                                   \
-                for (int64_t d = 0; d < head_dim; d += CHAINS)                                             \
-                    for (int64_t c = 0; c < CHAINS; c++) {                                                 \
-                        _Pragma("omp simd")                                                                \
-                        for (int64_t t = 0; t < block_size; t++)                                           \
-                            s[c][t] += qf[j][g][d + c] * kv[(d + c) * block_size + t];                     \
-                    }                                                                                      \
                 float *dst = scores + (j * group + g) * row + b * block_size;                              \
                 _Pragma("omp simd")                                                                        \
                 for (int64_t t = 0; t < block_size; t++) {                                                 \
-                    const float sum = s[0][t] + s[1][t] + s[2][t] + s[3][t];                               \
-                    const float score = SCALED ? sum * ks[t] : sum;  /* the token's K scale */             \
+                    const float score = SCALED ? sums[g][t] * ks[t] : sums[g][t];  /* the token's K scale */ \
                     dst[t] = softcap > 0.f ? softcap * tanhf(score / softcap) : score;                     \
                 }                                                                                          \
             }                                                                                              \
@@ -187,13 +282,22 @@ static inline __attribute__((always_inline)) void NAME(                         
             const int64_t ctx = ctx0 + j;                                                                  \
             if (b * block_size >= ctx || (b + 1) * block_size <= first_visible(ctx, window)) continue;     \
             const int64_t n = ctx - b * block_size < block_size ? ctx - b * block_size : block_size;       \
+            const float *ps[MAX_GROUP];  /* each head's weights of the block's tokens */                 \
+            float pv[MAX_GROUP][MAX_BLOCK_SIZE];  /* the weights times the tokens' V scales */            \
             for (int64_t g = 0; g < group; g++) {                                                          \
-                const float *p = scores + (j * group + g) * row + b * block_size;                          \
-                float pv[MAX_BLOCK_SIZE];  /* the weights times the tokens' V scales */                    \
+                ps[g] = scores + (j * group + g) * row + b * block_size;                                   \
                 if (SCALED) {                                                                              \
-                    for (int64_t t = 0; t < n; t++) pv[t] = p[t] * vs[t];                                  \
-                    p = pv;                                                                                \
+                    for (int64_t t = 0; t < n; t++) pv[g][t] = ps[g][t] * vs[t];                           \
+                    ps[g] = pv[g];                                                                         \
                 }                                                                                          \
+            }                                                                                              \
+            if (head_dim == 64 && block_size == 16) {                                                      \
+                for (int64_t g = 0; g < group; g += HEADS_AT_ONCE)                                         \
+                    values16((int)(group - g < HEADS_AT_ONCE ? group - g : HEADS_AT_ONCE), kv, ps + g, n, acc[j] + g); \
+                continue;                                                                                  \
+            }                                                                                              \
+            for (int64_t g = 0; g < group; g++) {                                                          \
+                const float *p = ps[g];                                                                    \
                 float *a = acc[j][g];                                                                      \
                 int64_t t = 0;                                                                             \
                 for (; t + 4 <= n; t += 4) {  /* four rows per pass: a quarter of the acc loads and stores */ \
