@@ -156,8 +156,9 @@ static inline void values16_##HB(const float *restrict v, const float *const *p,
 DEFINE_SCORES16(1) DEFINE_SCORES16(2) DEFINE_SCORES16(3) DEFINE_SCORES16(4)
 DEFINE_VALUES16(1) DEFINE_VALUES16(2) DEFINE_VALUES16(3) DEFINE_VALUES16(4)
 
-static inline void scores16(int hb, const float *k, const float (*q)[MAX_HEAD_DIM], float (*out)[MAX_BLOCK_SIZE]) {
-    switch (hb) {
+/* The next chunk of a group's heads, `left` of them still to go: at most HEADS_AT_ONCE. */
+static inline void scores16(int64_t left, const float *k, const float (*q)[MAX_HEAD_DIM], float (*out)[MAX_BLOCK_SIZE]) {
+    switch (left) {
         case 1: scores16_1(k, q, out); break;
         case 2: scores16_2(k, q, out); break;
         case 3: scores16_3(k, q, out); break;
@@ -165,8 +166,8 @@ static inline void scores16(int hb, const float *k, const float (*q)[MAX_HEAD_DI
     }
 }
 
-static inline void values16(int hb, const float *v, const float *const *p, int64_t n, float (*acc)[MAX_HEAD_DIM]) {
-    switch (hb) {
+static inline void values16(int64_t left, const float *v, const float *const *p, int64_t n, float (*acc)[MAX_HEAD_DIM]) {
+    switch (left) {
         case 1: values16_1(v, p, n, acc); break;
         case 2: values16_2(v, p, n, acc); break;
         case 3: values16_3(v, p, n, acc); break;
@@ -240,8 +241,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             float sums[MAX_GROUP][MAX_BLOCK_SIZE];                                                         \
             if (head_dim == 64 && block_size == 16) {                                                      \
                 for (int64_t g = 0; g < group; g += HEADS_AT_ONCE)                                         \
-                    scores16((int)(group - g < HEADS_AT_ONCE ? group - g : HEADS_AT_ONCE), kv,             \
-                             (const float (*)[MAX_HEAD_DIM])qf[j][g], sums + g);                           \
+                    scores16(group - g, kv, (const float (*)[MAX_HEAD_DIM])qf[j][g], sums + g);            \
             } else {                                                                                       \
                 for (int64_t g = 0; g < group; g++) {                                                      \
                     /* CHAINS partial sums (d mod CHAINS) keep that many FMAs in flight. */                \
@@ -293,7 +293,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             }                                                                                              \
             if (head_dim == 64 && block_size == 16) {                                                      \
                 for (int64_t g = 0; g < group; g += HEADS_AT_ONCE)                                         \
-                    values16((int)(group - g < HEADS_AT_ONCE ? group - g : HEADS_AT_ONCE), kv, ps + g, n, acc[j] + g); \
+                    values16(group - g, kv, ps + g, n, acc[j] + g);                                        \
                 continue;                                                                                  \
             }                                                                                              \
             for (int64_t g = 0; g < group; g++) {                                                          \
