@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.router.server import RouterOptions, run_router
+from minivllm.router.server import RouterOptions, print_line, run_router
 
 STARTUP_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
@@ -37,7 +37,7 @@ class ReplicaProcess:
                 self.url = line.rsplit(" on ", 1)[1].strip()
                 self.ready.set()
             if '"GET /health HTTP' not in line:  # the router's health checks, every second
-                print(f"[replica {self.index}] {line}", end="", flush=True)
+                print_line(f"[replica {self.index}] " + line.removesuffix("\n"))
         self.ready.set()  # it exited
 
 
@@ -81,7 +81,7 @@ def stop_replicas(replicas: list[ReplicaProcess]) -> None:
 def serve_data_parallel(serve_argv: list[str], n: int, host: str, port: int, **router_options: Any) -> None:
     replicas = start_replicas(serve_argv, n)
     for r in replicas:
-        print(f"minivllm: replica {r.index} (pid {r.proc.pid}) on {r.url}", flush=True)
+        print_line(f"minivllm: replica {r.index} (pid {r.proc.pid}) on {r.url}")
     try:
         run_router(RouterOptions([r.url for r in replicas], **router_options), host, port)
     finally:

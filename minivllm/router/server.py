@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -125,14 +126,14 @@ class RouterServer:
     def take_out(self, i: int, reason: str) -> None:
         if self.book.replicas[i].up:
             logger.warning("replica %s leaves the rotation: %s", self.replicas[i].url, reason)
-            print(f"minivllm: router: replica {self.replicas[i].url} out of rotation: {reason}", flush=True)
+            print_line(f"minivllm: router: replica {self.replicas[i].url} out of rotation: {reason}")
         self.book.replicas[i].up = False
         self.replicas[i].reason = reason
         self.replicas[i].cut_off.set()
 
     def bring_back(self, i: int) -> None:
         if not self.book.replicas[i].up:
-            print(f"minivllm: router: replica {self.replicas[i].url} back in rotation", flush=True)
+            print_line(f"minivllm: router: replica {self.replicas[i].url} back in rotation")
             self.replicas[i].cut_off = asyncio.Event()
             self.replicas[i].reason = ""
         self.book.replicas[i].up = True
@@ -355,13 +356,20 @@ def build_router_app(options: RouterOptions) -> FastAPI:
     return app
 
 
+def print_line(text: str) -> None:
+    """Print a line in one write: the front's threads (the replicas' output relays, the event loop) print
+    side by side, and print()'s separate write of the newline let another line in before it."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 class _RouterServer(uvicorn.Server):
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
         if self.started:
             router = self.config.app.state.router
-            print(f"minivllm: serving {len(router.replicas)} replica(s) ({router.options.routing_policy}) "
-                  f"on {listening_url(self)}", flush=True)
+            print_line(f"minivllm: serving {len(router.replicas)} replica(s) ({router.options.routing_policy}) "
+                       f"on {listening_url(self)}")
 
 
 def run_router(options: RouterOptions, host: str, port: int) -> None:
