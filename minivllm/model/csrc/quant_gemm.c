@@ -367,9 +367,10 @@ static inline __attribute__((always_inline)) void tile_sub1(
         const int64_t b = kb + i;
         pints isum[2 * QMAX_ROWS], part[2 * QMAX_ROWS];  /* part: the groups since the last pints_add_part */
         for (int r = 0; r < rows; r++)
-            for (int p = 0; p < np; p++) {
-                isum[r * np + p] = pints_set1(meta[r * blocks + b].zero[0]);
-                part[r * np + p] = pints_zero();
+            for (int p = 0; p < np; p++) {  /* the zero point starts the part where a part is a sum (exact) */
+                const pints zero = pints_set1(meta[r * blocks + b].zero[0]);
+                isum[r * np + p] = part_is_sum(wide) ? pints_zero() : zero;
+                part[r * np + p] = part_is_sum(wide) ? zero : pints_zero();
             }
         for (int t = 0; t < 4; t++) {
             pints lo[2], hi[2];  /* groups t and t + 4 of each panel */
@@ -413,12 +414,13 @@ static inline __attribute__((always_inline)) void tile_sub1(
  * chains (latency) of two groups, a part each (part_groups is at least 2). */
 static inline __attribute__((always_inline)) pints dot_groups(int32_t zero, const pints *w, const int8_t *xq, int g0,
                                                               int wide) {
-    pints even = pints_zero(), odd = pints_zero();
+    pints even = part_is_sum(wide) ? pints_set1(zero) : pints_zero(), odd = pints_zero();
     for (int g = g0; g < g0 + 4; g += 2) {
         even = pints_dot4(even, w[g], xq + 4 * g, wide);
         odd = pints_dot4(odd, w[g + 1], xq + 4 * (g + 1), wide);
     }
-    return pints_add_part(pints_add_part(pints_set1(zero), even, wide), odd, wide);  /* integer: exact in any order */
+    const pints sum = part_is_sum(wide) ? pints_zero() : pints_set1(zero);  /* integer: exact in any order */
+    return pints_add_part(pints_add_part(sum, even, wide), odd, wide);
 }
 
 /* acc[r] += a chunk for `rows` rows of one panel with a (d, m) per 16 k (sub 2). */
@@ -436,6 +438,9 @@ static inline __attribute__((always_inline)) void tile_sub2(
         const float *dm = (const float *)(u + 512);
         const pfloats d0 = pfloats_load(dm), m0 = pfloats_load(dm + 16);
         const pfloats d1 = pfloats_load(dm + 32), m1 = pfloats_load(dm + 48);
+        /* Unrolled, so that the rows' sums stay in registers: left to itself GCC kept the loop and each
+         * row's acc in memory, a load and a store per row and block. */
+#pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const RowBlock *mt = meta + r * blocks + b;
             const int8_t *xq = x8 + r * K + b * 32;
@@ -472,7 +477,8 @@ static inline __attribute__((always_inline)) void row_fused(const Format f, cons
             pfloats d[2], m[2];
             decode_regs(f, src, (int)(b % per_sb), w, d, m);
             if (sub == 1) {
-                pints isum = pints_set1(mt->zero[0]), part = pints_zero();
+                const pints zero = pints_set1(mt->zero[0]);
+                pints isum = part_is_sum(wide(f)) ? pints_zero() : zero, part = part_is_sum(wide(f)) ? zero : pints_zero();
                 for (int t = 0; t < 4; t++) {
                     part = pints_dot4(part, w[t], xq + 4 * t, wide(f));
                     part = pints_dot4(part, w[t + 4], xq + 4 * (t + 4), wide(f));
