@@ -46,7 +46,7 @@ def _attend(kernel, q, cache, tables, spans, scale, window=None, softcap=None):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
-                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 1), (6, 2, 80, 32), (8, 2, 128, 16)])
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 1), (6, 2, 80, 32), (12, 2, 128, 16)])
 def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_heads, head_dim, block_size, cpu_target):
     """On each target this machine runs: decodes and prefill chunks in one call, each row against SDPA;
     then every row again on its own, as a decode at that position: the same bits (a token's attention does
@@ -276,7 +276,7 @@ def test_write_kv_quantized_matches_the_torch_twin(dtype, kv_cache_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_KV)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (6, 2, 80, 32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (12, 2, 128, 16), (6, 2, 80, 32)])
 def test_attention_reads_quantized_kv(dtype, kv_cache_dtype, heads, kv_heads, head_dim, block_size):
     """The kernel on a quantized pool: each row against SDPA over the dequantized K/V (the kernel's own
     tolerance), against SDPA over the exact K/V (the format's cost, tolerance ATTENTION_KV_ERROR), and

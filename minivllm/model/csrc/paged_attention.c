@@ -97,14 +97,28 @@ static inline void prefetch_tile(const void *tile, int64_t bytes) {
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-/* The common shape, head_dim 64 and blocks of 16 tokens, in 16-float vectors (GCC's vector extension:
- * zmm registers on AVX-512, pairs of ymm on AVX2, quads of q on NEON), up to HEADS_AT_ONCE query heads
- * of a kv group at a time. Each K or V row is loaded once for those heads: with a row reloaded per head,
- * as the general loops do, the loads (a vector row and a broadcast per FMA) bound the passes, not the
- * FMAs. A head's arithmetic is the same in every call (its chunk of heads depends on the group size
- * alone), so every query still depends on its own context only. */
+/* The common shapes, head_dim 64 (SmolLM2, Qwen2.5-0.5B) or 128 (Llama 3, Qwen2.5-1.5B) and blocks of 16
+ * tokens, in 16-float vectors (GCC's vector extension: zmm registers on AVX-512), up to HEADS_AT_ONCE
+ * query heads of a kv group at a time. Each K or V row is
+ * loaded once for those heads: with a row reloaded per head, as the general loops do, the loads (a
+ * vector row and a broadcast per FMA) bound the passes, not the FMAs. The value pass takes a V row 64
+ * floats at a time, so that four heads' sums and the row fit the registers at head_dim 128 too. A
+ * head's arithmetic is the same in every call (its chunk of heads depends on the group size alone), so
+ * every query still depends on its own context only. */
 #define HEADS_AT_ONCE 4
 typedef float vf16 __attribute__((vector_size(64)));
+
+/* Only where a 16-float vector is one register (AVX-512): elsewhere GCC lowers these 64-byte vectors
+ * through memory, and the AVX2 build's attention ran 6-10x as long as on the general loops, which
+ * those targets (AVX2, NEON) keep. */
+static inline int vector_shape(int64_t head_dim, int64_t block_size) {
+#ifdef __AVX512F__
+    return block_size == 16 && (head_dim == 64 || head_dim == 128);
+#else
+    (void)head_dim, (void)block_size;
+    return 0;
+#endif
+}
 
 static inline vf16 load16(const float *p) { vf16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
@@ -120,13 +134,13 @@ static inline vf16 in_register(vf16 v) {
 
 /* Scores of one block for HB heads: out[g][t] = sum_d q[g][d] K[d][t], in CHAINS chains (d mod CHAINS)
  * summed at the end, as the general loop sums them. */
-#define DEFINE_SCORES16(HB)                                                                             \
-static inline void scores16_##HB(const float *restrict k, const float (*restrict q)[MAX_HEAD_DIM],    \
-                                 float (*restrict out)[MAX_BLOCK_SIZE]) {                              \
+#define DEFINE_SCORES16(HD, HB)                                                                         \
+static inline __attribute__((always_inline)) void scores##HD##_##HB(                                    \
+        const float *restrict k, const float (*restrict q)[MAX_HEAD_DIM], float (*restrict out)[MAX_BLOCK_SIZE]) { \
     vf16 s[HB][CHAINS];                                                                                 \
     for (int g = 0; g < HB; g++)                                                                        \
         for (int c = 0; c < CHAINS; c++) s[g][c] = (vf16){0};                                           \
-    for (int d = 0; d < 64; d += CHAINS)                                                                \
+    for (int d = 0; d < HD; d += CHAINS)                                                                \
         for (int c = 0; c < CHAINS; c++) {                                                              \
             const vf16 row = in_register(load16(k + (d + c) * 16));                                     \
             for (int g = 0; g < HB; g++) s[g][c] += q[g][d + c] * row;                                  \
@@ -134,45 +148,62 @@ static inline void scores16_##HB(const float *restrict k, const float (*restrict
     for (int g = 0; g < HB; g++) store16(out[g], s[g][0] + s[g][1] + s[g][2] + s[g][3]);               \
 }
 
-/* acc[g][d] += sum over the block's first n tokens of p[g][t] V[t][d], for HB heads, token by token. */
+/* acc[g][d0 + d] += sum over the block's first n tokens of p[g][t] V[t][d0 + d] for d < 64 (V rows
+ * `stride` floats apart), for HB heads, token by token. */
 #define DEFINE_VALUES16(HB)                                                                             \
-static inline void values16_##HB(const float *restrict v, const float *const *p, int64_t n,            \
-                                 float (*restrict acc)[MAX_HEAD_DIM]) {                                \
+static inline __attribute__((always_inline)) void values16_##HB(                                        \
+        const float *restrict v, int64_t stride, int64_t d0, const float *const *p, int64_t n,          \
+        float (*restrict acc)[MAX_HEAD_DIM]) {                                                          \
     vf16 a[HB][4];                                                                                      \
     for (int g = 0; g < HB; g++)                                                                        \
-        for (int i = 0; i < 4; i++) a[g][i] = load16(acc[g] + 16 * i);                                  \
+        for (int i = 0; i < 4; i++) a[g][i] = load16(acc[g] + d0 + 16 * i);                             \
     for (int64_t t = 0; t < n; t++) {                                                                   \
         vf16 row[4];                                                                                    \
-        for (int i = 0; i < 4; i++) row[i] = in_register(load16(v + t * 64 + 16 * i));                  \
+        for (int i = 0; i < 4; i++) row[i] = in_register(load16(v + t * stride + d0 + 16 * i));         \
         for (int g = 0; g < HB; g++) {                                                                  \
             const float w = p[g][t];                                                                    \
             for (int i = 0; i < 4; i++) a[g][i] += w * row[i];                                          \
         }                                                                                               \
     }                                                                                                   \
     for (int g = 0; g < HB; g++)                                                                        \
-        for (int i = 0; i < 4; i++) store16(acc[g] + 16 * i, a[g][i]);                                  \
+        for (int i = 0; i < 4; i++) store16(acc[g] + d0 + 16 * i, a[g][i]);                             \
 }
 
-DEFINE_SCORES16(1) DEFINE_SCORES16(2) DEFINE_SCORES16(3) DEFINE_SCORES16(4)
+DEFINE_SCORES16(64, 1) DEFINE_SCORES16(64, 2) DEFINE_SCORES16(64, 3) DEFINE_SCORES16(64, 4)
+DEFINE_SCORES16(128, 1) DEFINE_SCORES16(128, 2) DEFINE_SCORES16(128, 3) DEFINE_SCORES16(128, 4)
 DEFINE_VALUES16(1) DEFINE_VALUES16(2) DEFINE_VALUES16(3) DEFINE_VALUES16(4)
 
-/* The next chunk of a group's heads, `left` of them still to go: at most HEADS_AT_ONCE. */
-static inline void scores16(int64_t left, const float *k, const float (*q)[MAX_HEAD_DIM], float (*out)[MAX_BLOCK_SIZE]) {
-    switch (left) {
-        case 1: scores16_1(k, q, out); break;
-        case 2: scores16_2(k, q, out); break;
-        case 3: scores16_3(k, q, out); break;
-        default: scores16_4(k, q, out); break;
+/* The next chunk of a group's heads, `left` of them still to go: at most HEADS_AT_ONCE. head_dim is a
+ * literal where the task is inlined, so its switch folds away. */
+static inline __attribute__((always_inline)) void scores16(int64_t head_dim, int64_t left, const float *k,
+                                                           const float (*q)[MAX_HEAD_DIM], float (*out)[MAX_BLOCK_SIZE]) {
+    if (head_dim == 64) {
+        switch (left) {
+            case 1: scores64_1(k, q, out); break;
+            case 2: scores64_2(k, q, out); break;
+            case 3: scores64_3(k, q, out); break;
+            default: scores64_4(k, q, out); break;
+        }
+    } else {
+        switch (left) {
+            case 1: scores128_1(k, q, out); break;
+            case 2: scores128_2(k, q, out); break;
+            case 3: scores128_3(k, q, out); break;
+            default: scores128_4(k, q, out); break;
+        }
     }
 }
 
-static inline void values16(int64_t left, const float *v, const float *const *p, int64_t n, float (*acc)[MAX_HEAD_DIM]) {
-    switch (left) {
-        case 1: values16_1(v, p, n, acc); break;
-        case 2: values16_2(v, p, n, acc); break;
-        case 3: values16_3(v, p, n, acc); break;
-        default: values16_4(v, p, n, acc); break;
-    }
+/* A V row in pieces of 64 floats (one at head_dim 64, two at 128), each with the chunk's heads. */
+static inline __attribute__((always_inline)) void values16(int64_t head_dim, int64_t left, const float *v,
+                                                           const float *const *p, int64_t n, float (*acc)[MAX_HEAD_DIM]) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64)
+        switch (left) {
+            case 1: values16_1(v, head_dim, d0, p, n, acc); break;
+            case 2: values16_2(v, head_dim, d0, p, n, acc); break;
+            case 3: values16_3(v, head_dim, d0, p, n, acc); break;
+            default: values16_4(v, head_dim, d0, p, n, acc); break;
+        }
 }
 
 /* The first token a query with `ctx` tokens of context sees: ctx - window under a sliding window (the
@@ -239,9 +270,9 @@ static inline __attribute__((always_inline)) void NAME(                         
             if (b * block_size >= ctx0 + j) continue;  /* this query's context ends before the block */   \
             if ((b + 1) * block_size <= first_visible(ctx0 + j, window)) continue;  /* or its window starts after */ \
             float sums[MAX_GROUP][MAX_BLOCK_SIZE];                                                         \
-            if (head_dim == 64 && block_size == 16) {                                                      \
+            if (vector_shape(head_dim, block_size)) {                                                      \
                 for (int64_t g = 0; g < group; g += HEADS_AT_ONCE)                                         \
-                    scores16(group - g, kv, (const float (*)[MAX_HEAD_DIM])qf[j][g], sums + g);            \
+                    scores16(head_dim, group - g, kv, (const float (*)[MAX_HEAD_DIM])qf[j][g], sums + g);  \
             } else {                                                                                       \
                 for (int64_t g = 0; g < group; g++) {                                                      \
                     /* CHAINS partial sums (d mod CHAINS) keep that many FMAs in flight. */                \
@@ -291,9 +322,9 @@ static inline __attribute__((always_inline)) void NAME(                         
                     ps[g] = pv[g];                                                                         \
                 }                                                                                          \
             }                                                                                              \
-            if (head_dim == 64 && block_size == 16) {                                                      \
+            if (vector_shape(head_dim, block_size)) {                                                      \
                 for (int64_t g = 0; g < group; g += HEADS_AT_ONCE)                                         \
-                    values16(group - g, kv, ps + g, n, acc[j] + g);                                        \
+                    values16(head_dim, group - g, kv, ps + g, n, acc[j] + g);                              \
                 continue;                                                                                  \
             }                                                                                              \
             for (int64_t g = 0; g < group; g++) {                                                          \
