@@ -99,12 +99,11 @@ static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to
 
 /* The common shapes, head_dim 64 (SmolLM2, Qwen2.5-0.5B) or 128 (Llama 3, Qwen2.5-1.5B) and blocks of 16
  * tokens, in 16-float vectors (GCC's vector extension: zmm registers on AVX-512), up to HEADS_AT_ONCE
- * query heads of a kv group at a time. Each K or V row is
- * loaded once for those heads: with a row reloaded per head, as the general loops do, the loads (a
- * vector row and a broadcast per FMA) bound the passes, not the FMAs. The value pass takes a V row 64
- * floats at a time, so that four heads' sums and the row fit the registers at head_dim 128 too. A
- * head's arithmetic is the same in every call (its chunk of heads depends on the group size alone), so
- * every query still depends on its own context only. */
+ * query heads of a kv group at a time. Each K or V row is loaded once for those heads: with a row
+ * reloaded per head, as the general loops do, the loads (a vector row and a broadcast per FMA) bound the
+ * passes, not the FMAs. The value pass takes a V row 64 floats at a time, so that four heads' sums and
+ * the row fit the registers at head_dim 128 too. A head's arithmetic is the same in every call (its
+ * chunk of heads depends on the group size alone), so every query still depends on its own context. */
 #define HEADS_AT_ONCE 4
 typedef float vf16 __attribute__((vector_size(64)));
 
