@@ -253,6 +253,10 @@ def test_latency_end_to_end(tmp_path):
     # held at least them.
     assert len(r["prefill_seconds"]) == 2 and r["prefill_tokens_per_s"] == pytest.approx(
         3 * 20 * 2 / sum(r["prefill_seconds"]))
+    # Two rates: the decode step's, and the whole batch's (prefill included), which is below it.
+    assert r["decode_tokens_per_s"] == pytest.approx(3 * 1000 / r["decode_step_ms"])
+    assert r["batch_output_tokens_per_s"] == pytest.approx(3 * 5 * 2 / sum(r["latencies"]))
+    assert r["batch_output_tokens_per_s"] < r["decode_tokens_per_s"]
     from minivllm.model.gguf_file import GGUFFile
     from minivllm.model.loader import default_model_path
 

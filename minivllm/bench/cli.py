@@ -69,7 +69,10 @@ def cmd_latency(args: argparse.Namespace) -> None:
                          args.num_iters_warmup)
     print(result.text())
     write_json(args.output_json, {"engine": asdict(config),
-                                  "result": asdict(result) | {"prefill_tokens_per_s": result.prefill_tokens_per_s}})
+                                  "result": asdict(result) | {"prefill_tokens_per_s": result.prefill_tokens_per_s,
+                                                              "decode_tokens_per_s": result.decode_tokens_per_s,
+                                                              "batch_output_tokens_per_s":
+                                                                  result.batch_output_tokens_per_s}})
 
 
 # -- serve ----------------------------------------------------------------------------------------------

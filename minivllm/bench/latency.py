@@ -3,7 +3,12 @@
 latency and, once every prompt is in, the decode step: its time at this batch size and context, and
 the engine's own split of it (schedule, input preparation, forward, sampling, update); with
 --tensor-parallel-size, also the share of rank 0's all_reduces (in the forward) and of sending each
-step's inputs to the workers (in the preparation)."""
+step's inputs to the workers (in the preparation).
+
+Two rates come out of one batch: the decode step's (the batch decoding, nothing else) and the whole
+batch's (its output tokens over its latency, prefill included). `bench serve --max-concurrency B` at
+the same lengths runs the batch in waves, each prefilled before it decodes, so the whole batch's rate
+is the most a server can stream there; the decode step's is 8-9 % above it at 64/256 tokens."""
 from __future__ import annotations
 
 import resource
@@ -41,6 +46,15 @@ class LatencyResult:
     def prefill_tokens_per_s(self) -> float:
         return self.batch_size * self.input_len * len(self.prefill_seconds) / sum(self.prefill_seconds)
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.batch_size * 1000 / self.decode_step_ms
+
+    @property
+    def batch_output_tokens_per_s(self) -> float:
+        """The whole batch's output tokens over its latency, prefill included."""
+        return self.batch_size * self.output_len * len(self.latencies) / sum(self.latencies)
+
     def text(self) -> str:
         lat = np.array(self.latencies) * 1000
         return (f"Batch {self.batch_size} x {self.input_len} prompt tokens -> {self.output_len} tokens each: "
@@ -48,8 +62,10 @@ class LatencyResult:
                 f"({len(lat)} iterations)\n"
                 f"Prefill: {self.prefill_tokens_per_s:.1f} prompt tokens/s (mean over the iterations)\n"
                 f"Decode step: {self.decode_step_ms:.1f} ms at batch {self.batch_size} "
-                f"({self.batch_size * 1000 / self.decode_step_ms:.1f} output tokens/s), mean of "
-                f"{self.decode_steps} steps\nDecode step time: "
+                f"({self.decode_tokens_per_s:.1f} output tokens/s), mean of {self.decode_steps} steps\n"
+                f"Whole batch: {self.batch_output_tokens_per_s:.1f} output tokens/s, prefill included "
+                f"({self.batch_output_tokens_per_s / self.decode_tokens_per_s:.1%} of the decode step's)\n"
+                f"Decode step time: "
                 + ", ".join(f"{k} {v:.1%}" for k, v in self.step_time_shares.items())
                 + f"\nWeights held: {self.weight_bytes_held / 1e6:.0f} MB; peak RSS {self.peak_rss_bytes / 1e6:.0f} MB"
                 + ("" if self.greedy_exact is None else spec_text(self.spec_acceptance_rate,
