@@ -8,7 +8,8 @@ step's inputs to the workers (in the preparation).
 Two rates come out of one batch: the decode step's (the batch decoding, nothing else) and the whole
 batch's (its output tokens over its latency, prefill included). `bench serve --max-concurrency B` at
 the same lengths runs the batch in waves, each prefilled before it decodes, so the whole batch's rate
-is the most a server can stream there; the decode step's is 8-9 % above it at 64/256 tokens."""
+is the most a server can stream there (on the 2-core machine of BENCHMARKS.md, at 12 x 64/256 tokens,
+91-92 % of the decode step's)."""
 from __future__ import annotations
 
 import resource
