@@ -181,6 +181,11 @@ def load(name):
     return json.load(open(p)) if os.path.exists(p) else None
 def fmt(x, f="{:.1f}"):
     return "-" if x is None else f.format(x)
+def rates(r):
+    """bench latency's decode step rate and whole-batch rate (prefill included), from its fields: older
+    sittings' JSON lacks the second"""
+    return (r["batch_size"] * 1000 / r["decode_step_ms"],
+            r["batch_size"] * r["output_len"] * len(r["latencies"]) / sum(r["latencies"]))
 print("| model | measure | value | vs | ratio | target |\n|---|---|---:|---:|---:|---:|")
 for tag in ("default", "q05b"):
     off = load(f"{tag}-offline-fixed")
@@ -195,9 +200,7 @@ for tag in ("default", "q05b"):
         ratios, whole, i = [], [], 1
         while all(run := [load(f"{tag}-{mode}-{name}") for name in (f"b12-{i - 1}", f"12streams-{i}", f"b12-{i}")]):
             before, s12, after = run
-            dec = [12 * 1000 / b["result"]["decode_step_ms"] for b in (before, after)]
-            # the whole batch's rate, prefill included (from the latencies: older JSON lacks the field)
-            batch = [12 * 256 * len(b["result"]["latencies"]) / sum(b["result"]["latencies"]) for b in (before, after)]
+            dec, batch = zip(*(rates(b["result"]) for b in (before, after)))
             v = s12["metrics"]["output_throughput"]
             ratios.append(v / (sum(dec) / 2))
             whole.append(v / (sum(batch) / 2))
