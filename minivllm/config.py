@@ -81,6 +81,8 @@ class EngineConfig:
     max_cpu_loras: int | None = _flag("LoRA adapters kept loaded, least recently used out (default: --max-loras)",
                                       None)
     max_lora_rank: int = _flag("largest LoRA rank accepted", 16)
+    enforce_eager: bool = _flag("CUDA: run every step eagerly, without the decode step's CUDA graphs (vLLM's flag)",
+                                False)
     trace_file: str | None = _flag("write a per-step CSV trace here (and a Chrome trace .json beside it)", None)
 
     def __post_init__(self) -> None:

@@ -71,6 +71,10 @@ def load_parts(config: EngineConfig) -> ModelParts:
     with timed(phases, "kv_pool"):
         if group is None:
             runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
+            if not config.enforce_eager:  # CUDA only: the decode step's graphs (cuda_graphs.py)
+                longest = min(config.max_model_len or model_config.max_position_embeddings,
+                              num_blocks * config.block_size)
+                runner.use_cuda_graphs(config.max_num_seqs, longest)
         else:
             from minivllm.distributed.worker import DriverRunner
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from minivllm.model.cuda_kernels import TritonAttention
 from minivllm.model.kernels import LayerOps, paged_attention_native
 from minivllm.model.kv_cache import KVCache, dequantize, quantize, round_trip
 
@@ -55,6 +56,7 @@ class AttentionMetadata:
     span_ctx0: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None  # [spans, max_blocks]
     num_decodes: int = 0
+    max_span_len: int = 1  # the longest span: sizes the CUDA kernel's grid without reading the device
     # The native kernel (kernels.py) reads the pool in place; without it, the torch path below.
     kernel: Callable | None = None
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], torch path only
@@ -83,6 +85,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     else:
         write_kv(k[:n], v[:n], meta.slot_blocks, meta.slot_offsets, cache)
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
+    if isinstance(meta.kernel, TritonAttention):  # CUDA (cuda_kernels.py)
+        meta.kernel(q, cache, meta, scale, out, window, softcap)
+        return out
     if meta.kernel is not None:
         paged_attention_native(meta.kernel, q, cache, meta.block_tables, meta.span_starts,
                                meta.span_lens, meta.span_ctx0, scale, out, window, softcap)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from minivllm.config import cache_dir
+from minivllm.model import cuda_kernels
 from minivllm.model.kv_cache import KVCache, KVFormat, kv_format
 from minivllm.model.model_config import ACTIVATIONS
 from minivllm.model.quant import QuantizedWeight, Segment
@@ -157,6 +158,8 @@ FAMILIES = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_la
 def report(device: torch.device, dtype: torch.dtype) -> str:
     """One line for the start of the engine and `bench roofline`: the target (and simd.h's section),
     the kernel families that run natively, and those that fall back to torch."""
+    if device.type == "cuda":  # the CUDA entries of the table (cuda_kernels.py)
+        return cuda_kernels.report(dtype)
     lib = _cpu_library(device, dtype)
     native = [name for name, fn in FAMILIES.items()
               if lib is not None and hasattr(lib, f"{fn}_{_DTYPE_SUFFIX[dtype]}")]
@@ -187,6 +190,8 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, gr
                      kv_cache_dtype: str = "auto"):
     """The native paged-attention function (every query of a step) for this device, dtype, KV cache
     format and shapes, or None."""
+    if device.type == "cuda":
+        return cuda_kernels.attention_kernel(dtype, kv_cache_dtype)
     if head_dim > MAX_HEAD_DIM or head_dim % CHAINS or group > MAX_GROUP or block_size > MAX_BLOCK_SIZE:
         return None
     lib = _cpu_library(device, dtype)
@@ -255,8 +260,10 @@ class Gemm:
         return out
 
 
-def gemm(device: torch.device, dtype: torch.dtype, in_features: int) -> Gemm | None:
+def gemm(device: torch.device, dtype: torch.dtype, in_features: int) -> Gemm | cuda_kernels.TritonGemm | None:
     """The native batch-invariant linear for this device, dtype and input width, or None (the torch path)."""
+    if device.type == "cuda":
+        return cuda_kernels.gemm(dtype)
     lib = None if in_features % 2 else _cpu_library(device, dtype)
     return Gemm(lib, dtype) if lib is not None and hasattr(lib, f"gemm_{_DTYPE_SUFFIX[dtype]}") else None
 
@@ -374,6 +381,8 @@ class LayerOps:
         return out
 
 
-def layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps | None:
+def layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps | cuda_kernels.TritonLayerOps | None:
+    if device.type == "cuda":
+        return cuda_kernels.layer_ops(dtype)
     lib = _cpu_library(device, dtype)
     return None if lib is None else LayerOps(lib, dtype)

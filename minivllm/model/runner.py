@@ -9,6 +9,7 @@ import torch
 
 from minivllm.model.attention import AttentionMetadata, PrefillSpan, decode_mask, kv_cache_shapes
 from minivllm.model.batch import BatchInputs
+from minivllm.model.cuda_graphs import DecodeGraphs
 from minivllm.model.kernels import attention_kernel
 from minivllm.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, kv_format
 from minivllm.model.decoder import CausalLM
@@ -35,12 +36,20 @@ class ModelRunner:
                                                  kv_cache_dtype)
         self.kv_caches = allocate_kv_caches(cfg.num_hidden_layers, k_shape, v_shape, dtype, device,
                                             kv_format(kv_cache_dtype))
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), see use_cuda_graphs
+
+    def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode step per batch-size bucket (cuda_graphs.py), where the device and kernels allow."""
+        if DecodeGraphs.applies(self):
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
         """Logits (float32): the last `num_logits` rows of each span that has them, in the order of
         `batch.spans` (a verify's: its last token's, then each draft token's), then one row per position
         of each span's `prompt_logprob_positions`, in the same order."""
+        if self.graphs is not None and (logits := self.graphs.replay(batch)) is not None:
+            return logits
         start = time.perf_counter()
         input_ids, positions, meta, sample_idx, lora_spans = self._prepare(batch)
         self.prepare_time += time.perf_counter() - start
@@ -95,6 +104,7 @@ class ModelRunner:
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
             span_starts=span_starts, span_lens=span_lens,
             span_ctx0=span_ctx0, num_decodes=len(decodes), kernel=self.attention_kernel,
+            max_span_len=max((n for _, n, _ in rows), default=1),
             block_tables=torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in spans],
                                       dtype=torch.long, device=dev).view(len(spans), max_blocks))
         if self.attention_kernel is None:  # what the torch path needs besides
