@@ -175,7 +175,7 @@ def checkpoints(gpu_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactor
 def _engine(path: Path, **engine_args: Any):
     from minivllm import LLM
 
-    return LLM(str(path), device="cuda", num_kv_blocks=512, **engine_args)
+    return LLM(str(path), device="cuda", **{"num_kv_blocks": 512, "max_num_seqs": 48, **engine_args})
 
 
 def _release(llm) -> None:
