@@ -35,7 +35,8 @@ def invariance(ckpt: str) -> dict:
     same_tokens = sum(a[0] == c[0] for a, c in zip(alone, crowd))
     same_logprobs = sum(a == c for a, c in zip(alone, crowd))
     return {"model": ckpt, "batch_invariant_flag": llm.engine.runner.batch_invariant,
-            "equal_tokens": f"{same_tokens}/{len(PROMPTS)}", "equal_tokens_and_logprobs": f"{same_logprobs}/{len(PROMPTS)}"}
+            "equal_tokens": f"{same_tokens}/{len(PROMPTS)}",
+            "equal_tokens_and_logprobs": f"{same_logprobs}/{len(PROMPTS)}"}
 
 
 def hf(ckpt: str) -> dict:
@@ -75,7 +76,8 @@ def gemm() -> dict:
             ours = triton.testing.do_bench(lambda: triton_kernels.gemm(x, w, None))
             cublas = triton.testing.do_bench(lambda: torch.matmul(x, w.T))
             rows[f"M={m} {name} N={n} K={k}"] = {"triton_us": round(ours * 1e3, 1), "cublas_us": round(cublas * 1e3, 1),
-                                                 "ratio": round(ours / cublas, 2), "split": triton_kernels.gemm_split(n, k)}
+                                                 "ratio": round(ours / cublas, 2),
+                                                 "split": triton_kernels.gemm_split(n, k)}
             print(f"M={m:5d} {name:8s} N={n:6d} K={k:5d}: triton {ours * 1e3:8.1f} us, cuBLAS {cublas * 1e3:8.1f} us, "
                   f"x{ours / cublas:.2f}", flush=True)
     return rows

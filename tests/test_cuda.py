@@ -84,7 +84,8 @@ def test_write_kv_skips_padded_rows() -> None:
     from minivllm.model.attention import kv_cache_shapes
 
     k_shape, v_shape = kv_cache_shapes(4, 16, 2, 32)
-    k_cache, v_cache = torch.zeros(k_shape, dtype=torch.float16, device=DEVICE), torch.zeros(v_shape, dtype=torch.float16, device=DEVICE)
+    k_cache = torch.zeros(k_shape, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.zeros(v_shape, dtype=torch.float16, device=DEVICE)
     k, v = randn(3, 2, 32, dtype=torch.float16), randn(3, 2, 33, dtype=torch.float16)[..., :32]
     blocks, offsets = torch.tensor([2, -1, 0], device=DEVICE), torch.tensor([5, 7, 15], device=DEVICE)
     triton_kernels.write_kv(k, v, blocks, offsets, k_cache, v_cache)
@@ -100,7 +101,8 @@ def _pool(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 
     k_shape, v_shape = kv_cache_shapes(POOL, BLOCK, KV_HEADS, HEAD_DIM)
     table = torch.randperm(POOL, generator=torch.Generator().manual_seed(1))[:10].to(DEVICE)
-    return randn(*k_shape, dtype=dtype), randn(*v_shape, dtype=dtype), table, randn(LENGTH, HEADS, HEAD_DIM, dtype=dtype)
+    queries = randn(LENGTH, HEADS, HEAD_DIM, dtype=dtype)
+    return randn(*k_shape, dtype=dtype), randn(*v_shape, dtype=dtype), table, queries
 
 
 def _attend(q: torch.Tensor, pool, spans: list[tuple[int, int, int]], **switches: Any) -> torch.Tensor:
