@@ -80,6 +80,31 @@ def test_head_rms_norm_in_place_on_a_view(dtype: torch.dtype) -> None:
     assert torch.equal(qkv[:, 64:], rest)
 
 
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("rotary_dim", [32, 24])  # whole heads, and partial rotary
+def test_rotary_in_place_on_views_matches_the_twin(dtype: torch.dtype, rotary_dim: int) -> None:
+    from minivllm.model.decoder import apply_rotary
+
+    qkv = randn(5, 4 * 32, dtype=dtype)
+    q, k = qkv[:, :64].view(5, 2, 32), qkv[:, 64:96].view(5, 1, 32)
+    angles = torch.arange(5, device=DEVICE)[:, None] * torch.linspace(0.1, 1.0, rotary_dim // 2, device=DEVICE)
+    cos, sin = angles.cos(), angles.sin()
+    expected_q, expected_k, v = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, 96:].clone()
+    triton_kernels.rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q, expected_q, atol=1e-2, rtol=1e-2)  # the twin rounds in the dtype, we in float32
+    torch.testing.assert_close(k, expected_k, atol=1e-2, rtol=1e-2)
+    assert torch.equal(qkv[:, 96:], v)
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_and_mul_matches_the_twin(dtype: torch.dtype, act: str) -> None:
+    gate_up = randn(3, 2 * 1100, dtype=dtype, scale=3.0)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    torch.testing.assert_close(triton_kernels.act_and_mul(gate_up, act).float(), expected, atol=3e-2, rtol=1e-2)
+
+
 def test_write_kv_skips_padded_rows() -> None:
     from minivllm.model.attention import kv_cache_shapes
 
@@ -243,3 +268,47 @@ def test_decode_graphs_equal_eager_steps(checkpoints) -> None:
         runs[eager] = _runs(llm.generate(EQUALITY_PROMPTS + CROWD[:5], _greedy(20), use_tqdm=False))
         _release(llm)
     assert runs[False] == runs[True]
+
+
+def test_the_decoder_on_the_cuda_entries_gives_a_token_the_same_logits_in_a_prefill_and_a_decode() -> None:
+    """The whole forward through the table's CUDA entries (here on whatever DEVICE is, in float16): a
+    prompt's last token alone in a prefill, then as a decode beside another sequence's, the same bits;
+    and near the torch twins' logits. Biases, q/k norms and a sliding window on: their paths run too."""
+    from minivllm.model import cuda_kernels
+    from minivllm.model.batch import BatchInputs, SeqSpan
+    from minivllm.model.decoder import MLP, Attention, CausalLM, Linear, RMSNorm
+    from minivllm.model.model_config import ModelConfig
+    from minivllm.model.runner import ModelRunner
+
+    config = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+                         attention_bias=True, qk_norm=True, sliding_window=8, sliding_layers=[0])
+    torch.manual_seed(0)
+    model = CausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.2)
+    model = model.to(DEVICE, torch.float16).eval()
+
+    def runner(cuda_entries: bool) -> ModelRunner:
+        run = ModelRunner(model, 16, 16, torch.device(DEVICE), torch.float16)
+        ops = cuda_kernels.TritonLayerOps() if cuda_entries else None
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.native = cuda_kernels.TritonGemm() if cuda_entries else None
+                module.packed = module.native.pack(module.weight, module.bias) if cuda_entries else None
+            elif isinstance(module, (RMSNorm, Attention, MLP)):
+                module.ops = ops
+        run.attention_kernel = cuda_kernels.TritonAttention() if cuda_entries else None
+        return run
+
+    prompt, other = [(7 * i) % 256 for i in range(20)], [(3 * i + 1) % 256 for i in range(8)]
+    alone = runner(True).execute(BatchInputs([SeqSpan(prompt, 0, [0, 1], num_logits=1)]))
+    together = runner(True)
+    together.execute(BatchInputs([SeqSpan(other, 0, [5], num_logits=1), SeqSpan(prompt[:-1], 0, [0, 1])]))
+    step = together.execute(BatchInputs([SeqSpan([9], 8, [5], num_logits=1),
+                                         SeqSpan(prompt[-1:], 19, [0, 1], num_logits=1)]))
+    assert torch.equal(step[1], alone[0])
+    twin = runner(False).execute(BatchInputs([SeqSpan(prompt, 0, [0, 1], num_logits=1)]))
+    torch.testing.assert_close(alone, twin, atol=0.1, rtol=0.05)

@@ -6,9 +6,7 @@ depend on the rest of the batch; that file says how), so a request's greedy toke
 in any crowd, in a prefill, a chunk or a decode. float32 keeps the torch twins (cuBLAS, with TF32 off by
 torch's default, and scaled_dot_product_attention over gathered blocks): that is what equals
 transformers token for token. Without Triton (a CPU-only torch, or a broken install) every getter says
-None and the torch twins run, as on a CPU without a compiler. The elementwise layer ops (rotary, the gated
-activation) stay torch ops: each output element depends on its own row only, so they are invariant as
-they are.
+None and the torch twins run, as on a CPU without a compiler.
 """
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ import functools
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from minivllm.model.kv_cache import KVCache, kv_format
 
@@ -52,7 +49,8 @@ class TritonGemm:
 
 
 class TritonLayerOps:
-    """kernels.LayerOps' interface on CUDA: the norms and the KV write in Triton, the elementwise ops in torch."""
+    """kernels.LayerOps' interface on CUDA, each op one Triton launch (what a captured step costs is mostly
+    its number of kernels)."""
 
     def add_rms_norm(self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -62,13 +60,7 @@ class TritonLayerOps:
         _triton_kernels().head_rms_norm_(x, weight, eps)
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """The NeoX rotation of the first 2 * cos.shape[1] dimensions of each head, in place, in float32."""
-        half = cos.shape[1]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        for x in (q, k):
-            x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            x[..., :2 * half] = rotated
+        _triton_kernels().rotary_(q, k, cos, sin)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
                  cache: KVCache) -> None:
@@ -81,8 +73,7 @@ class TritonLayerOps:
         _triton_kernels().write_kv(k, v, blocks, offsets, cache.k, cache.v)
 
     def act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+        return _triton_kernels().act_and_mul(gate_up, act)
 
 
 class TritonAttention:

@@ -167,6 +167,77 @@ def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
                                                  eps, BLOCK=triton.next_power_of_2(head_dim))
 
 
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))  # never overflows
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _rotate_head(ptr, cos, sin, half, BLOCK: tl.constexpr):
+    """The NeoX rotation of one head's first 2 * half values in place, in float32."""
+    i = tl.arange(0, BLOCK)
+    ok = i < half
+    x1 = tl.load(ptr + i, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + half + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptr + i, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=ok)
+    tl.store(ptr + half + i, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, tokens, heads, half, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_ct, BLOCK: tl.constexpr):
+    """Head h of token t: of q where h < heads, else of k."""
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    cos = tl.load(cos_ptr + t * stride_ct + i, mask=i < half, other=0.0)
+    sin = tl.load(sin_ptr + t * stride_ct + i, mask=i < half, other=0.0)
+    if h < heads:
+        _rotate_head(q_ptr + t * stride_qt + h * stride_qh, cos, sin, half, BLOCK)
+    else:
+        _rotate_head(k_ptr + t * stride_kt + (h - heads) * stride_kh, cos, sin, half, BLOCK)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place (views of the qkv output are
+    fine); cos, sin: float32 [T, rotary_dim / 2], rows contiguous (partial rotary leaves the rest)."""
+    tokens, half = q.shape[0], cos.shape[1]
+    if tokens:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _rotary_kernel[(tokens, q.shape[1] + k.shape[1])](
+            q, k, cos, sin, tokens, q.shape[1], half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            BLOCK=triton.next_power_of_2(half))
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def _act_and_mul_kernel(gate_up_ptr, out_ptr, tokens, width, stride_g, stride_o, GELU: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """out = act(gate) * up, each rounded to the dtype as torch's two ops round (act in float32)."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < width
+    gate = tl.load(gate_up_ptr + t * stride_g + i, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + t * stride_g + width + i, mask=ok, other=0.0).to(tl.float32)
+    if GELU:  # the tanh approximation
+        act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + i, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up from the fused [T, 2 * width] gate_up output; act "silu" or "gelu_tanh"."""
+    tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(tokens, width, dtype=gate_up.dtype, device=gate_up.device)
+    if tokens:
+        block = 1024
+        _act_and_mul_kernel[(tokens, triton.cdiv(width, block))](gate_up, out, tokens, width, gate_up.stride(0),
+                                                                  out.stride(0), GELU=act != "silu", BLOCK=block)
+    return out
+
+
 @triton.jit(do_not_specialize=["tokens"])
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, blocks_ptr, offsets_ptr, tokens, head_dim,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kch, stride_kcd,
@@ -195,11 +266,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: to
             k, v, k_cache, v_cache, blocks, offsets, tokens, head_dim, k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
             v_cache.stride(1), v_cache.stride(2), BLOCK_D=triton.next_power_of_2(head_dim))
-
-
-@triton.jit
-def _tanh(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit(do_not_specialize=["window"])
