@@ -4,7 +4,8 @@
 #     OUT=/some/dir scripts/gpu_check.sh        (OUT defaults to ./gpu-out)
 # Writes $OUT/gpu_check.log (everything), one JSON per stage, and $OUT/figures.json (the headline
 # figures). Each stage runs under its own timeout and a shared deadline, so one failing or slow stage
-# does not stop the ones after it; the log says which stage failed and why.
+# does not stop the ones after it; the log says which stage failed and why. STAGES="name ..." runs only
+# those stages (after setup); GPU_CHECK_SECONDS moves the deadline (default 340).
 set +e
 START=$SECONDS
 DEADLINE=${GPU_CHECK_SECONDS:-340}
@@ -20,6 +21,7 @@ COMMON=(--device cuda --dtype bfloat16 --kv-cache-memory 16GiB)
 # stage NAME SECONDS COMMAND...: runs COMMAND under min(SECONDS, what is left of the deadline)
 stage() {
     local name=$1 limit=$2; shift 2
+    if [ -n "$STAGES" ] && [ "$name" != setup ] && [[ " $STAGES " != *" $name "* ]]; then return; fi
     local left=$((DEADLINE - (SECONDS - START)))
     if [ "$left" -lt 20 ]; then echo "=== $name: SKIPPED (deadline)"; echo "$name skipped" >> "$OUT/stages.txt"; return; fi
     [ "$limit" -gt "$left" ] && limit=$left
@@ -38,7 +40,7 @@ stage setup 90 bash -c '
     python3 .gpu-kit/make_checkpoints.py ckpt .gpu-kit/tok'
 
 # Correctness first: the kernels (bf16 too) and the engine on tiny random checkpoints.
-stage pytest 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
+stage pytest 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py
 stage invariance_smol135m 60 python3 scripts/gpu_figures.py invariance ckpt/smol135m --out "$OUT/invariance_smol135m.json"
 stage invariance_qwen2_05b 60 python3 scripts/gpu_figures.py invariance ckpt/qwen2_05b --out "$OUT/invariance_qwen2_05b.json"
 
@@ -49,7 +51,7 @@ stage latency_b1_eager 60 python3 -m minivllm.cli bench latency --model $MODEL "
     --input-len 128 --output-len 256 --max-num-seqs 64 --enforce-eager --output-json "$OUT/latency_b1_eager.json"
 stage latency_b64_graphs 60 python3 -m minivllm.cli bench latency --model $MODEL "${COMMON[@]}" --batch-size 64 \
     --input-len 128 --output-len 256 --max-num-seqs 64 --num-iters 2 --output-json "$OUT/latency_b64_graphs.json"
-stage throughput_1000x512x256 100 python3 -m minivllm.cli bench throughput --model $MODEL "${COMMON[@]}" \
+stage throughput_1000x512x256 110 python3 -m minivllm.cli bench throughput --model $MODEL "${COMMON[@]}" \
     --num-prompts 1000 --input-len 512 --output-len 256 --disable-tqdm --output-json "$OUT/throughput_1000x512x256.json"
 stage gemm_vs_cublas 45 python3 scripts/gpu_figures.py gemm --out "$OUT/gemm_vs_cublas.json"
 stage float32_vs_transformers 60 python3 scripts/gpu_figures.py hf ckpt/smol135m --out "$OUT/float32_vs_transformers.json"
