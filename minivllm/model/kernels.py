@@ -16,6 +16,8 @@ treats a query the same in a prefill, a chunk or a decode, the layer ops work ro
 native kernels a request's logits are the same bits alone or in any batch. The torch twins promise no
 such thing (oneDNN/MKL block by row count, scaled_dot_product_attention differs between prefill and
 decode): `batch_invariant()` says which case holds.
+
+On CUDA the same getters answer from cuda_kernels.py (Triton kernels, batch-invariant the same way).
 """
 from __future__ import annotations
 
