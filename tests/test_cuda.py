@@ -63,7 +63,7 @@ def test_add_rms_norm_equals_the_twin(dtype: torch.dtype) -> None:
     out = triton_kernels.add_rms_norm(delta, ours, norm.weight, 1e-5)
     expected = norm(delta, theirs)
     assert torch.equal(ours, theirs)  # residual += delta, in place, rounded as torch rounds it
-    torch.testing.assert_close(out, expected, atol=0, rtol=1 / 128)  # the sum's order: at most a rounding
+    torch.testing.assert_close(out, expected, atol=0, rtol=2 ** -6)  # the sum's order: a rounding or two
     assert torch.equal(triton_kernels.add_rms_norm(None, ours[2:3].clone(), norm.weight, 1e-5), out[2:3])
 
 
@@ -76,7 +76,7 @@ def test_head_rms_norm_in_place_on_a_view(dtype: torch.dtype) -> None:
     norm = RMSNorm(32, 1e-6).to(DEVICE, dtype)
     expected, rest = norm(q.clone()), qkv[:, 64:].clone()
     triton_kernels.head_rms_norm_(q, norm.weight, 1e-6)
-    torch.testing.assert_close(q, expected, atol=0, rtol=1 / 128)
+    torch.testing.assert_close(q, expected, atol=0, rtol=2 ** -6)
     assert torch.equal(qkv[:, 64:], rest)
 
 
@@ -91,8 +91,9 @@ def test_rotary_in_place_on_views_matches_the_twin(dtype: torch.dtype, rotary_di
     cos, sin = angles.cos(), angles.sin()
     expected_q, expected_k, v = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, 96:].clone()
     triton_kernels.rotary_(q, k, cos, sin)
-    torch.testing.assert_close(q, expected_q, atol=1e-2, rtol=1e-2)  # the twin rounds in the dtype, we in float32
-    torch.testing.assert_close(k, expected_k, atol=1e-2, rtol=1e-2)
+    atol = 1e-2 if dtype == torch.float16 else 5e-2  # the twin rounds in the dtype, we in float32
+    torch.testing.assert_close(q, expected_q, atol=atol, rtol=1e-2)
+    torch.testing.assert_close(k, expected_k, atol=atol, rtol=1e-2)
     assert torch.equal(qkv[:, 96:], v)
 
 
@@ -161,8 +162,9 @@ def test_paged_attention_gives_a_token_the_same_bits_in_a_prefill_a_chunk_and_a_
     q = pool[3]
     switches = dict(window=window, softcap=softcap)
     prefill = _attend(q, pool, [(0, LENGTH, 1)], **switches)
+    atol = 3e-3 if dtype == torch.float16 else 2e-2  # bf16: 8 bits, the probabilities rounded to it too
     for i in range(0, LENGTH, 7):
-        torch.testing.assert_close(prefill[i].double(), _reference(pool, i, window, softcap), atol=3e-3, rtol=1e-2)
+        torch.testing.assert_close(prefill[i].double(), _reference(pool, i, window, softcap), atol=atol, rtol=1e-2)
     chunk = _attend(q[100:].contiguous(), pool, [(0, 50, 101)], **switches)  # after a cached prefix of 100
     assert torch.equal(chunk, prefill[100:])
     decodes = _attend(q[[149, 3, 77, 64]].contiguous(), pool, [(0, 1, 150), (1, 1, 4), (2, 1, 78), (3, 1, 65)],
