@@ -69,24 +69,6 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
                          f"{config.intermediate_size}")
 
 
-@dataclass(frozen=True)
-class TensorParallelShard:
-    """Rank `rank`'s part of the model, as model/loading.py builds (and caches) it."""
-
-    rank: int
-    world_size: int
-
-    @property
-    def key(self) -> str:
-        return f"tp{self.rank}of{self.world_size}"
-
-    def config(self, full: ModelConfig) -> ModelConfig:
-        return shard_config(full, self.world_size)
-
-    def weights(self, weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        return shard_weights(weights, full, self.rank, self.world_size)
-
-
 def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
     """The config of one rank's model: its heads and its slice of the MLP; the rest unchanged."""
     check_divisible(config, world_size)
