@@ -1,5 +1,5 @@
-"""Megatron-style shards of a Llama-family checkpoint, cut from the loader's (name, tensor) stream
-before the model fuses q/k/v and gate/up.
+"""Megatron-style shards of a Llama-family checkpoint, cut from a reader's (name, tensor) stream
+before model/weights.py fuses q/k/v and gate/up.
 
 Column-parallel (each rank keeps a slice of the output rows, dim 0): q/k/v (and their biases) by
 heads, gate/up by intermediate rows. Row-parallel (a slice of the input columns, dim 1): o_proj and

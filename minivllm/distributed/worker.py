@@ -1,6 +1,7 @@
 """Driver and workers (vLLM's pattern): rank 0 holds the one scheduler, prepares each step's inputs,
 broadcasts them, runs its own shard and samples; every other rank runs the same forward on its shard,
-taking part in each layer's two all_reduces, and waits for the next step."""
+taking part in each layer's two all_reduces, and waits for the next step. Every rank builds its runner
+by the one model build (model/build.py), given its TensorParallelShard."""
 from __future__ import annotations
 
 import dataclasses

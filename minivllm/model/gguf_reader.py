@@ -115,7 +115,10 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, fam: Family, dtype: torch.dt
         if fam.gguf_permuted_qk and parts[-1] in ("attn_q", "attn_k"):
             n = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
             unpermute = functools.partial(unpermute_rows, num_heads=n)
-            tensor = tensor.map_rows(unpermute) if isinstance(tensor, QuantizedTensor) else unpermute(tensor)
+            if isinstance(tensor, QuantizedTensor):  # the same permutation of the rows' blocks
+                tensor = QuantizedTensor(unpermute(tensor.blocks), tensor.qtype)
+            else:
+                tensor = unpermute(tensor)
         yield hf, tensor
 
 
