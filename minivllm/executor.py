@@ -62,10 +62,10 @@ def load_parts(config: EngineConfig) -> ModelParts:
         f"Python layer loop: no native attention kernel for head_dim {model_config.head_dim} on {device.type}/{dtype}"
     print(f"minivllm: {model_config.architecture}: {loop}", file=sys.stderr, flush=True)
     return ModelParts(model_config, tokenizer, runner, Sampler(device, config.seed), runner.num_blocks, phases,
-                      release=runner.close if parallel else None, kv_tier=kv_tier(config, path, runner, phases))
+                      release=runner.close if parallel else None, kv_tier=build_kv_tier(config, path, runner, phases))
 
 
-def kv_tier(config: EngineConfig, path: Path, runner: Any, phases: dict[str, float]) -> KVTier | None:
+def build_kv_tier(config: EngineConfig, path: Path, runner: Any, phases: dict[str, float]) -> KVTier | None:
     """The KV tier (--kv-offloading-*), or None: indexes its directory, if any."""
     if not config.kv_offloading:
         return None

@@ -23,6 +23,7 @@ from minivllm.model.decoder import CausalLM
 from minivllm.model.loader import load_checkpoint
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.runner import ModelRunner
+from minivllm.startup import timed
 
 
 class DriverRunner(ModelRunner):
@@ -90,10 +91,11 @@ def start_tensor_parallel(config: EngineConfig, path: Path, phases: dict[str, fl
             serve_steps(config, path, group)
             raise SystemExit(0)
     else:
-        threads = share_cores(n)  # this process is rank 0: close() gives its threads back
-        workers, init_method = spawn_workers(n, _spawned_worker, (config, str(path)))
-        group = join(0, n, backend, init_method, workers)
-        group.num_threads_before = threads
+        with timed(phases, "workers"):
+            threads = share_cores(n)  # this process is rank 0: close() gives its threads back
+            workers, init_method = spawn_workers(n, _spawned_worker, (config, str(path)))
+            group = join(0, n, backend, init_method, workers)
+            group.num_threads_before = threads
     return build_runner(config, path, TensorParallelShard(0, n, group), phases=phases)
 
 
