@@ -23,8 +23,9 @@ import pytest
 from minivllm import LLM
 from minivllm.model import registry
 from minivllm.model.gguf_file import GGUFFile
+from minivllm.model.build import build_model
+from minivllm.model.hf_reader import read_hf_config
 from minivllm.model.loader import load_checkpoint
-from minivllm.model.loading import load_model
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.tokenizer import get_tokenizer
 from tests.helpers import (EQUALITY_PROMPTS, GEMMA_SPECIAL_IDS, LONG_PROMPT, TINY_WINDOW, HFGreedy, greedy,
@@ -119,8 +120,8 @@ def test_values_the_gguf_cannot_carry(checkpoints: dict) -> None:
     from config.json, and a 27B Gemma's GGUF gets llama.cpp's query scale, 1/sqrt(hidden / heads)."""
     gemma_dir, smollm_dir = checkpoints["gemma3"][0], checkpoints["smollm3"][0]
     gemma, smollm = (json.loads((d / "config.json").read_text()) for d in (gemma_dir, smollm_dir))
-    assert registry.read_hf_config({**gemma, "query_pre_attn_scalar": 144}, None, "gemma3").scale == 144 ** -0.5
-    assert registry.read_hf_config({**smollm, "no_rope_layers": [1, 0, 1, 1]}, None, "smollm3").nope_layers == [1]
+    assert read_hf_config({**gemma, "query_pre_attn_scalar": 144}, None, "gemma3").scale == 144 ** -0.5
+    assert read_hf_config({**smollm, "no_rope_layers": [1, 0, 1, 1]}, None, "smollm3").nope_layers == [1]
     for kind in ("gemma2", "gemma3"):
         path = _gguf(checkpoints, kind)
         config, file = load_checkpoint(path)[0], GGUFFile(path)
@@ -193,14 +194,14 @@ def test_wrong_switch_breaks_equality(checkpoints: dict, monkeypatch: pytest.Mon
     wrong = dataclasses.replace(gemma2, hf_norm_offset=2 * gemma2.hf_norm_offset)
     for table in (registry._BY_HF, registry._BY_NAME):
         monkeypatch.setitem(table, "Gemma2ForCausalLM" if table is registry._BY_HF else "gemma2", wrong)
-    load_model.cache_clear()
+    build_model.cache_clear()
     try:
         llm = _engine(path)
         prompts = _prompts(llm)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(NEW_TOKENS), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] != reference.many(prompts, NEW_TOKENS)
     finally:
-        load_model.cache_clear()
+        build_model.cache_clear()
 
 
 def test_unknown_architecture_is_refused_naming_it(checkpoints: dict, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.model.attention import kv_cache_shapes, write_kv
-from minivllm.model.kernels import (FAMILIES, attention_kernel, cpu_arch, gemm, layer_ops, library,
+from minivllm.model.kernels import (KERNEL_GROUPS, attention_kernel, cpu_arch, gemm, layer_ops, library,
                                     paged_attention_native, report)
 from minivllm.model.kv_cache import KVCache, allocate_kv_caches, dequantize, kv_format
 from minivllm.model.decoder import RMSNorm, apply_rotary
@@ -191,7 +191,7 @@ def test_report_names_the_target_and_what_falls_back(cpu_target):
     if lib is None:
         pytest.skip("no C compiler: the torch path is used")
     section = lib.simd_target().decode()
-    families = ", ".join(FAMILIES)
+    families = ", ".join(KERNEL_GROUPS)
     line = report(torch.device("cpu"), torch.bfloat16)
     if section == "none":
         assert line == (f"minivllm: kernels for {cpu_target} (none): paged attention, layer ops, LoRA; "

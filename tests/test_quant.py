@@ -181,7 +181,8 @@ def test_activation_quantization_is_per_row() -> None:
 def test_loader_keeps_every_format_quantized(tmp_path: Path, qtype: str) -> None:
     """A GGUF file's matrices load as QuantizedTensor (vectors stay float); the model built from them
     holds every linear layer quantized and computes what the dequantized model computes."""
-    from minivllm.model.decoder import Linear, CausalLM
+    from minivllm.model.decoder import Linear
+    from minivllm.model.weights import model_from_weights
 
     path = tmp_path / "tiny.gguf"
     encoded = write_tiny_gguf(path, "llama", qtype)
@@ -189,8 +190,8 @@ def test_loader_keeps_every_format_quantized(tmp_path: Path, qtype: str) -> None
     weights = dict(weights)
     for name, tensor in weights.items():
         assert isinstance(tensor, quant.QuantizedTensor) == (encoded[name].ndim == 2), name
-    models = {q: CausalLM.from_weights(config, load_checkpoint(path, torch.float32, q == "gguf")[1],
-                                               CPU, torch.float32, q) for q in ("gguf", "none")}
+    models = {q: model_from_weights(config, load_checkpoint(path, torch.float32, q == "gguf")[1],
+                                    CPU, torch.float32, q) for q in ("gguf", "none")}
     assert all(m.quantized is not None for m in models["gguf"].modules() if isinstance(m, Linear))
     x = torch.randn(5, config.hidden_size)
     ref = models["none"].layers[0].mlp(x)
@@ -270,11 +271,11 @@ def test_mixed_tied_biased_file_computes_what_its_float_model_does(mixed_gguf: P
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The default (quantized) load of the mixed file, native and twin, against its dequantized float32
     model; then mapped back from the weight cache (which crashed on it): the same bits."""
-    from minivllm.model.loading import load_model
+    from minivllm.model.build import build_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    config, reference = load_model.__wrapped__(mixed_gguf, CPU, torch.float32, "none")
-    config, model = load_model.__wrapped__(mixed_gguf, CPU, dtype, "gguf")
+    config, reference = build_model.__wrapped__(mixed_gguf, CPU, torch.float32, "none")
+    config, model = build_model.__wrapped__(mixed_gguf, CPU, dtype, "gguf")
     assert config.tie_word_embeddings and config.attention_bias
     assert model.lm_head.quantized is model.embed_tokens.quantized
     qkv = model.layers[0].self_attn.qkv_proj.quantized
@@ -288,7 +289,7 @@ def test_mixed_tied_biased_file_computes_what_its_float_model_does(mixed_gguf: P
     twin = _logits(model, ids)
     assert (twin - expected).abs().max() < tol * expected.abs().max()
     model.use_native_kernels(True)
-    _, mapped = load_model.__wrapped__(mixed_gguf, CPU, dtype, "gguf")  # from the cache entry written above
+    _, mapped = build_model.__wrapped__(mixed_gguf, CPU, dtype, "gguf")  # from the cache entry written above
     assert torch.equal(_logits(mapped, ids), ours)
 
 

@@ -16,7 +16,7 @@ from minivllm.bench.simulate import VirtualClock, simulate_engine
 from minivllm.bench.workloads import TokenWindows, mixed_requests, with_arrivals
 from minivllm.cli import main
 from minivllm.config import EngineConfig
-from minivllm.engine.executor import load_parts
+from minivllm.executor import load_parts
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.trace import StepTracer
 from minivllm.router.policies import Router

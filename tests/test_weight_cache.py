@@ -12,16 +12,17 @@ import torch
 
 from minivllm import SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.executor import ModelParts
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.model.loading import load_model
+from minivllm.executor import ModelParts
 from minivllm.model import weight_cache
+from minivllm.model.build import build_model
 from minivllm.model.kernels import quant_gemm
 from minivllm.model.decoder import CausalLM
 from minivllm.model.loader import checkpoint_digest
 from minivllm.model.quant import QuantizedWeight
 from minivllm.model.runner import ModelRunner
 from minivllm.model.sampler import Sampler
+from minivllm.model.weights import model_state
 from tests.helpers import EQUALITY_PROMPTS
 
 CPU = torch.device("cpu")
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.skipif(quant_gemm(CPU, torch.bfloat16) is None, reason=
 
 
 def _build(path: Path) -> tuple[Any, CausalLM]:
-    return load_model.__wrapped__(path, CPU, torch.bfloat16, "gguf")  # past the per-process memo
+    return build_model.__wrapped__(path, CPU, torch.bfloat16, "gguf")  # past the per-process memo
 
 
 def _held(value: torch.Tensor | QuantizedWeight) -> list:
@@ -55,10 +56,10 @@ def test_mapped_weights_equal_the_built_ones(llm: Any, default_model_path: Path,
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("built again instead of mapped from the cache")
 
-    monkeypatch.setattr(CausalLM, "from_weights", refuse)
+    monkeypatch.setattr("minivllm.model.build.model_from_weights", refuse)
     mapped_config, mapped = _build(default_model_path)
     assert mapped_config == config
-    built_state, mapped_state = built.state(), mapped.state()
+    built_state, mapped_state = model_state(built), model_state(mapped)
     assert built_state.keys() == mapped_state.keys()
     for name, value in built_state.items():
         assert type(mapped_state[name]) is type(value), name

@@ -23,10 +23,11 @@ from minivllm.bench.compare import SystemRun, SystemSummary, replay_engine
 from minivllm.bench.cost_model import CostModel, StepHistory, StepShape
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
-from minivllm.engine.executor import ModelParts, num_kv_blocks
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.trace import StepTracer, run_record
+from minivllm.executor import ModelParts
 from minivllm.model.batch import BatchInputs, SamplingRow
+from minivllm.model.build import num_kv_blocks
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.sampler import SamplerOutput
 from minivllm.outputs import RequestMetrics

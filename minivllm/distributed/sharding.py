@@ -1,5 +1,5 @@
-"""Megatron-style shards of a Llama-family checkpoint, cut from the loader's (name, tensor) stream
-before the model fuses q/k/v and gate/up.
+"""Megatron-style shards of a Llama-family checkpoint, cut from a reader's (name, tensor) stream
+before model/weights.py fuses q/k/v and gate/up.
 
 Column-parallel (each rank keeps a slice of the output rows, dim 0): q/k/v (and their biases) by
 heads, gate/up by intermediate rows. Row-parallel (a slice of the input columns, dim 1): o_proj and
@@ -67,24 +67,6 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
     if config.intermediate_size % world_size:
         raise ValueError(f"tensor_parallel_size {world_size} does not divide the model's intermediate size "
                          f"{config.intermediate_size}")
-
-
-@dataclass(frozen=True)
-class TensorParallelShard:
-    """Rank `rank`'s part of the model, as model/loading.py builds (and caches) it."""
-
-    rank: int
-    world_size: int
-
-    @property
-    def key(self) -> str:
-        return f"tp{self.rank}of{self.world_size}"
-
-    def config(self, full: ModelConfig) -> ModelConfig:
-        return shard_config(full, self.world_size)
-
-    def weights(self, weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        return shard_weights(weights, full, self.rank, self.world_size)
 
 
 def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:

@@ -1,10 +1,13 @@
 """Driver and workers (vLLM's pattern): rank 0 holds the one scheduler, prepares each step's inputs,
 broadcasts them, runs its own shard and samples; every other rank runs the same forward on its shard,
-taking part in each layer's two all_reduces, and waits for the next step."""
+taking part in each layer's two all_reduces, and waits for the next step. Every rank builds its runner
+by the one model build (model/build.py), given its TensorParallelShard."""
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +16,14 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.distributed.group import (TensorParallelError, TensorParallelGroup, backend_for, join,
                                         launched_by_torchrun, spawn_workers, torchrun_rank)
-from minivllm.distributed.sharding import TensorParallelShard, check_divisible, make_row_parallel
+from minivllm.distributed.sharding import check_divisible, make_row_parallel, shard_config, shard_weights
 from minivllm.model.batch import BatchInputs
+from minivllm.model.build import build_runner
 from minivllm.model.decoder import CausalLM
 from minivllm.model.loader import load_checkpoint
-from minivllm.model.loading import load_model
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.runner import ModelRunner
+from minivllm.startup import timed
 
 
 class DriverRunner(ModelRunner):
@@ -50,21 +54,34 @@ class DriverRunner(ModelRunner):
         self.group.close()
 
 
-def load_shard(config: EngineConfig, path: Path, group: TensorParallelGroup,
-               device: torch.device) -> tuple[ModelConfig, CausalLM]:
-    """The whole model's config, and this rank's shard of the model (its config is the shard's)."""
-    quantization = config.weight_quantization(path.is_file())  # a GGUF's blocks are cut as they are
-    # Not the per-process memo: make_row_parallel changes the model it gets.
-    full, model = load_model.__wrapped__(path, device, config.torch_dtype, quantization,
-                                         TensorParallelShard(group.rank, group.world_size))
-    make_row_parallel(model, group)
-    return full, model
+@dataclass(frozen=True)
+class TensorParallelShard:
+    """Rank `rank`'s part of the model, as model/build.py builds (and caches) it: its heads and its slice
+    of the MLP, whose row-parallel layers sum over `group`. Rank 0's runner drives the others."""
+
+    rank: int
+    world_size: int
+    group: TensorParallelGroup = field(compare=False)
+
+    @property
+    def key(self) -> str:
+        return f"tp{self.rank}of{self.world_size}"
+
+    def config(self, full: ModelConfig) -> ModelConfig:
+        return shard_config(full, self.world_size)
+
+    def weights(self, weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        return shard_weights(weights, full, self.rank, self.world_size)
+
+    def runner(self, model: CausalLM, *pool: Any) -> ModelRunner:
+        make_row_parallel(model, self.group)
+        return DriverRunner(self.group, model, *pool) if self.rank == 0 else ModelRunner(model, *pool)
 
 
-def start_tensor_parallel(config: EngineConfig, path: Path) -> tuple[ModelConfig, CausalLM,
-                                                                     TensorParallelGroup]:
-    """Rank 0: join the group (spawning the workers, unless torchrun started them) and load its shard.
-    On a worker rank that torchrun started, serve steps until rank 0 stops, then exit the process."""
+def start_tensor_parallel(config: EngineConfig, path: Path, phases: dict[str, float]
+                          ) -> tuple[ModelConfig, DriverRunner]:
+    """Rank 0: join the group (spawning the workers, unless torchrun started them) and build its shard's
+    runner. On a worker rank that torchrun started, serve steps until rank 0 stops, then exit the process."""
     n = config.tensor_parallel_size
     check_divisible(load_checkpoint(path)[0], n)  # before any process starts (the weights are not read)
     backend = backend_for(config.torch_device)
@@ -74,12 +91,12 @@ def start_tensor_parallel(config: EngineConfig, path: Path) -> tuple[ModelConfig
             serve_steps(config, path, group)
             raise SystemExit(0)
     else:
-        threads = share_cores(n)  # this process is rank 0: close() gives its threads back
-        workers, init_method = spawn_workers(n, _spawned_worker, (config, str(path)))
-        group = join(0, n, backend, init_method, workers)
-        group.num_threads_before = threads
-    full, model = load_shard(config, path, group, config.torch_device)
-    return full, model, group
+        with timed(phases, "workers"):
+            threads = share_cores(n)  # this process is rank 0: close() gives its threads back
+            workers, init_method = spawn_workers(n, _spawned_worker, (config, str(path)))
+            group = join(0, n, backend, init_method, workers)
+            group.num_threads_before = threads
+    return build_runner(config, path, TensorParallelShard(0, n, group), phases=phases)
 
 
 def _spawned_worker(rank: int, world_size: int, init_method: str, config: EngineConfig, path: str) -> None:
@@ -98,21 +115,16 @@ def share_cores(world_size: int) -> int:
 
 
 def serve_steps(config: EngineConfig, path: Path, group: TensorParallelGroup) -> None:
-    """A worker's life: load its shard and KV pool, run each step rank 0 sends, until it sends None."""
-    from minivllm.engine.executor import num_kv_blocks
-
+    """A worker's life: build its shard's runner, run each step rank 0 sends, until it sends None."""
     device = config.torch_device
     if device.type == "cuda":  # one GPU per rank (NCCL; untested: the machine lent here has one GPU)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", group.rank)))
         torch.cuda.set_device(device)
-    _, model = load_shard(config, path, group, device)
-    dtype = config.torch_dtype
-    runner = ModelRunner(model, num_kv_blocks(config, model.config, dtype), config.block_size, device, dtype,
-                         config.kv_cache_dtype)
+    _, runner = build_runner(config, path, TensorParallelShard(group.rank, group.world_size, group), device)
     with torch.inference_mode():
         while (step := group.recv_step()) is not None:
             input_ids, positions, meta = (_on(x, device) for x in step)
-            model(input_ids, positions, runner.kv_caches, dataclasses.replace(meta, kernel=runner.attention_kernel))
+            runner.model(input_ids, positions, runner.kv_caches, dataclasses.replace(meta, kernel=runner.attention_kernel))
     group.close()
 
 

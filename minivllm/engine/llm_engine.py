@@ -24,7 +24,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.executor import ModelParts, load_parts
+from minivllm.executor import ModelParts, load_parts
 from minivllm.engine.kv_tier import tier_stats
 from minivllm.engine.policies import POLICIES
 from minivllm.engine.model_inputs import batch_inputs, sampling_rows

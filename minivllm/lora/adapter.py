@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from minivllm.model.gguf_file import GGUFFile
-from minivllm.model.loader import GGUF_NAMES, gguf_tensor, unpermute_rows
+from minivllm.model.gguf_reader import GGUF_NAMES, gguf_tensor, unpermute_rows
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

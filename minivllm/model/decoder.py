@@ -1,17 +1,17 @@
 """The one configurable decoder every family runs (registry.py), written for packed batches.
 
 Every forward takes a flat batch of tokens from many sequences (no padding, no batch dimension) and
-attends through the paged KV cache. Q/K/V and gate/up projections are fused into one matrix each
-at load time: fewer, larger GEMMs. A family is a set of switches (model_config.py), read here where
-they apply: q/k norms, the rotary table of each layer (global, Gemma 3's local one, or none for
-SmolLM3's NoPE layers), partial rotary, sliding windows and softcaps, Gemma's four norms per layer
-and GeGLU, Granite's multipliers. Norm weights always multiply as x * w: a Gemma checkpoint's
-x * (1 + w) gets its 1 added at load (loader.py), as llama.cpp's converter does.
+attends through the paged KV cache. Q/K/V and gate/up projections are one matrix each (weights.py
+fuses them as it loads the checkpoint): fewer, larger GEMMs. A family is a set of switches
+(model_config.py), read here where they apply: q/k norms, the rotary table of each layer (global,
+Gemma 3's local one, or none for SmolLM3's NoPE layers), partial rotary, sliding windows and
+softcaps, Gemma's four norms per layer and GeGLU, Granite's multipliers. Norm weights always multiply as x * w: a Gemma checkpoint's
+x * (1 + w) gets its 1 added as it is read (hf_reader.py), as llama.cpp's converter does.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_o
 from minivllm.model.kv_cache import KVCache
 from minivllm.model.model_config import NO_ROPE, ROPE_LOCAL, ModelConfig
 from minivllm.model.native_forward import NativeForward
-from minivllm.model.quant import QuantizedTensor, QuantizedWeight, fuse_rows, quantize
+from minivllm.model.quant import QuantizedWeight
 
 
 class Linear(nn.Linear):
@@ -321,48 +321,6 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    @classmethod
-    def from_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
-                     device: torch.device, dtype: torch.dtype, quantization: str = "none") -> "CausalLM":
-        """Build the model without initializing it (on the meta device), then take the checkpoint's
-        tensors as its parameters: no random init, no second copy of the weights. `quantization`
-        (EngineConfig.weight_quantization): "gguf" keeps the file's quantized blocks as they come, "int8"/"int4"
-        quantize the float weights, "none" dequantizes whatever comes quantized."""
-        with torch.device("meta"):
-            model = cls(config)
-        model._assign(weights, dtype, quantization)
-        return model._placed(device)
-
-    @classmethod
-    def from_state(cls, config: ModelConfig, state: dict[str, torch.Tensor | QuantizedWeight],
-                   device: torch.device) -> "CausalLM":
-        """The model from what `state()` returned for it (weight_cache.py): nothing converted."""
-        with torch.device("meta"):
-            model = cls(config)
-        for name, value in state.items():
-            model._hold(name, value)
-        model._tie_embeddings()
-        model._check_complete()
-        return model._placed(device)
-
-    def state(self) -> dict[str, torch.Tensor | QuantizedWeight]:
-        """Every parameter and quantized weight the model holds once built, by name; a tied LM head is
-        left out (`_tie_embeddings` restores it)."""
-        state: dict[str, torch.Tensor | QuantizedWeight] = dict(self.named_parameters())
-        for name, module in self.named_modules():
-            if isinstance(module, (Linear, Embedding)) and module.quantized is not None:
-                state[f"{name}.weight"] = module.quantized
-        if self.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        return state
-
-    def _placed(self, device: torch.device) -> "CausalLM":
-        model = self.to(device).eval()
-        for weight in model.quantized_weights():
-            weight.to(device)
-        model.use_native_kernels(True)
-        return model
-
     def quantized_weights(self) -> list[QuantizedWeight]:
         return list({id(m.quantized): m.quantized for m in self.modules()
                      if isinstance(m, (Linear, Embedding)) and m.quantized is not None}.values())
@@ -395,78 +353,3 @@ class CausalLM(nn.Module):
         """Whether every GEMM and layer op runs natively (the batch-invariant kernels)."""
         return all(m.uses_native for m in self.modules() if isinstance(m, Linear)) and all(
             m.ops is not None for m in self.modules() if isinstance(m, (RMSNorm, Attention, MLP)))
-
-    def _assign(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, quantization: str) -> None:
-        """Load tensors named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
-        expected = dict(self.named_parameters())
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            for part, target in _FUSED_PARTS.items():
-                if f".{part}." in name:
-                    parts.setdefault(name.replace(part, target), {})[part] = tensor
-                    break
-            else:
-                if name in expected and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                    self._set(name, tensor, expected, dtype, quantization)
-        for name, pieces in parts.items():
-            target = next(t for t in _FUSED_ORDER if f".{t}." in name)
-            missing = [p for p in _FUSED_ORDER[target] if p not in pieces]
-            if missing:
-                raise ValueError(f"checkpoint lacks {missing} for {name}")
-            self._set(name, fuse_rows([pieces[p] for p in _FUSED_ORDER[target]]), expected, dtype, quantization)
-        self._tie_embeddings()
-        self._check_complete()
-
-    def _check_complete(self) -> None:
-        still_meta = [n for n, p in self.named_parameters() if p.is_meta]
-        if still_meta:
-            raise ValueError(f"checkpoint lacks weights: {still_meta[:5]}")
-
-    def _tie_embeddings(self) -> None:
-        if self.config.tie_word_embeddings:
-            if self.embed_tokens.quantized is not None:
-                self.lm_head.set_quantized(self.embed_tokens.quantized)
-            else:
-                self.lm_head.weight = self.embed_tokens.weight
-
-    def _set(self, name: str, tensor: "torch.Tensor | QuantizedTensor | list[QuantizedTensor]",
-             expected: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str) -> None:
-        shape = _shape(tensor)
-        if tuple(expected[name].shape) != shape:
-            raise ValueError(f"weight {name}: checkpoint shape {shape} != model {tuple(expected[name].shape)}")
-        module = self.get_submodule(name.rpartition(".")[0])
-        if isinstance(module, (Linear, Embedding)) and name.endswith(".weight") and quantization != "none":
-            if quantization in ("int8", "int4"):
-                # The embedding / LM head stays int8 under int4: the logits are where 4 bits cost most.
-                scheme = "int8" if isinstance(module, Embedding) or name == "lm_head.weight" else quantization
-                tensor = quantize(_float(tensor), scheme)
-            if isinstance(tensor, (QuantizedTensor, list)):
-                self._hold(name, QuantizedWeight.of(tensor))
-                return
-        self._hold(name, _float(tensor).to(dtype))
-
-    def _hold(self, name: str, value: torch.Tensor | QuantizedWeight) -> None:
-        """Make `value` the weight `name`: a parameter, or its module's quantized weight."""
-        module_name, _, attr = name.rpartition(".")
-        module = self.get_submodule(module_name)
-        if isinstance(value, QuantizedWeight):
-            module.set_quantized(value)
-        else:
-            setattr(module, attr, nn.Parameter(value, requires_grad=False))
-
-
-def _float(tensor: "torch.Tensor | QuantizedTensor | list[QuantizedTensor]") -> torch.Tensor:
-    if isinstance(tensor, list):  # a fused weight in segments of different formats
-        return torch.cat([t.dequantize() for t in tensor])
-    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
-
-
-def _shape(tensor: "torch.Tensor | QuantizedTensor | list[QuantizedTensor]") -> tuple[int, ...]:
-    if isinstance(tensor, list):
-        return (sum(t.shape[0] for t in tensor), tensor[0].shape[1])
-    return tuple(tensor.shape)
-
-
-_FUSED_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_FUSED_PARTS = {part: target for target, ps in _FUSED_ORDER.items() for part in ps}

@@ -171,7 +171,7 @@ def _iq4_xs(b: torch.Tensor) -> Ints:  # d, scales_h (uint16), scales_l[4], qs[1
 
 
 # ggml's type ids (GGMLQuantizationType) -> traits. Every format llama.cpp's quantizer writes into the
-# common files; the others (IQ1-IQ3, TQ, MXFP4, ...) are refused at load (loader.py).
+# common files; the others (IQ1-IQ3, TQ, MXFP4, ...) are refused at load (gguf_reader.py).
 BLOCK_FORMATS = {
     2: BlockFormat("Q4_0", 32, 18, _q4_0, 4, 32, offset=8),
     3: BlockFormat("Q4_1", 32, 20, _q4_1, 4, 32, has_min=True),

@@ -152,20 +152,20 @@ def _cpu_library(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None
     return library(cpu_arch()) if device.type == "cpu" and dtype in _DTYPE_SUFFIX else None
 
 
-# The kernel families, each named by one function that exists when it does (the torch twins otherwise).
-FAMILIES = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_layers",
+# The groups of native kernels, each named by one function that exists when it does (the torch twins otherwise).
+KERNEL_GROUPS = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_layers",
             "paged attention": "paged_attention", "layer ops": "add_rms_norm", "LoRA": "lora"}
 
 
 def report(device: torch.device, dtype: torch.dtype) -> str:
     """One line for the start of the engine and `bench roofline`: the target (and simd.h's section),
-    the kernel families that run natively, and those that fall back to torch."""
+    the kernel groups that run natively, and those that fall back to torch."""
     if device.type == "cuda":  # the CUDA entries of the table (cuda_kernels.py)
         return cuda_kernels.report(dtype)
     lib = _cpu_library(device, dtype)
-    native = [name for name, fn in FAMILIES.items()
+    native = [name for name, fn in KERNEL_GROUPS.items()
               if lib is not None and hasattr(lib, f"{fn}_{_DTYPE_SUFFIX[dtype]}")]
-    fallback = [name for name in FAMILIES if name not in native]
+    fallback = [name for name in KERNEL_GROUPS if name not in native]
     target = f"{cpu_arch()} ({lib.simd_target().decode()})" if lib is not None else cpu_arch()
     if device.type != "cpu":
         target = device.type

@@ -2,7 +2,7 @@
 
 One `ModelConfig` describes every family the registry knows (registry.py): a Llama is the config with
 every switch at its default; Gemma, Phi, Granite... set the few they change. The decoder
-(decoder.py), the native layer loop (native_forward.py) and the loaders read only this.
+(decoder.py), the native layer loop (native_forward.py) and the readers read only this.
 """
 from __future__ import annotations
 

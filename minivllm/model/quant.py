@@ -74,10 +74,6 @@ class QuantizedTensor:
             raise ValueError(f"a {self.fmt.name} weight splits along k at multiples of {block}, not {start}+{length}")
         return QuantizedTensor(self.blocks.narrow(1, start // block * size, length // block * size), self.qtype)
 
-    def map_rows(self, fn) -> "QuantizedTensor":
-        """The same row permutation `fn` applied to the rows' blocks."""
-        return QuantizedTensor(fn(self.blocks), self.qtype)
-
 
 def fuse_rows(parts: list) -> "torch.Tensor | list[QuantizedTensor]":
     """Fuse weights along the output dimension (q/k/v, gate/up): float tensors into one; quantized ones
@@ -321,18 +317,16 @@ class QuantizedWeight:
     kernel: Any = None  # kernels.QuantGemm, or None: the twin
     dtype: torch.dtype = torch.float32  # of the activations, and of the rows an embedding reads
     offsets: list[int] = field(init=False)  # each segment's first output row
+    n: int = field(init=False)  # output rows, all segments': read by the kernel at every call
 
     def __post_init__(self) -> None:
         self.offsets = [sum(s.n for s in self.segments[:i]) for i in range(len(self.segments))]
+        self.n = sum(s.n for s in self.segments)
 
     @classmethod
     def of(cls, tensors: "QuantizedTensor | list[QuantizedTensor]") -> "QuantizedWeight":
         tensors = tensors if isinstance(tensors, list) else [tensors]
         return cls(tensors[0].shape[1], [Segment(t.qtype, t.shape[0], pack(t)) for t in tensors])
-
-    @property
-    def n(self) -> int:
-        return sum(s.n for s in self.segments)
 
     def use_kernel(self, kernel, dtype: torch.dtype) -> None:
         self.kernel, self.dtype = kernel, dtype

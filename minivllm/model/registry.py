@@ -1,22 +1,20 @@
-"""Model families: an architecture name -> the model class and how to read the family's config.
+"""Model families: an architecture name -> how the family's checkpoints read into a ModelConfig.
 
 A Hugging Face checkpoint names its architecture in config.json (`architectures[0]`), a GGUF file in
 `general.architecture`. Each family is one `Family` entry: the names it goes by, the switches its
-configs set (model_config.py) and the few conventions of its checkpoints; every family runs the one
-configurable decoder (decoder.py), as vLLM's registry and mini-sglang's switches do. An architecture
-that is not here is refused at load, naming it and the known ones.
+configs set (model_config.py) and the few conventions of its checkpoints, which the readers
+(hf_reader.py, gguf_reader.py) consult; every family runs the one configurable decoder (decoder.py),
+as vLLM's registry and mini-sglang's switches do. An architecture that is not here is refused at
+load, naming it and the known ones.
 """
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.model.model_config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 Switches = dict[str, Any]  # ModelConfig fields a family sets beyond the common ones
 Metadata = Callable[..., Any]  # a GGUF file's "{arch}.KEY" values: meta(KEY, default)
@@ -32,10 +30,10 @@ class Family:
     gguf_switches: Callable[[ModelConfig, Metadata], Switches] = lambda config, meta: {}  # read, or derived
     hf_norm_offset: float = 0.0  # Gemma computes x * (1 + w): its HF norm weights get the 1 at load
     gguf_permuted_qk: bool = False  # llama.cpp stores Q/K rows permuted for its interleaved RoPE
-    gguf_tensor_names: dict[str, str] = field(default_factory=dict)  # beyond loader.GGUF_NAMES
+    gguf_tensor_names: dict[str, str] = field(default_factory=dict)  # beyond gguf_reader.GGUF_NAMES
 
 
-def _rope_parameters(cfg: dict) -> dict:
+def rope_parameters(cfg: dict) -> dict:
     return cfg.get("rope_parameters") or {}
 
 
@@ -66,7 +64,7 @@ def _gemma_hf(cfg: dict) -> Switches:
 def _gemma3_hf(cfg: dict) -> Switches:
     """Gemma 3's rope_parameters are per layer type: the global layers' base and scaling, the sliding
     layers' own base (v4 configs: rope_theta, rope_scaling and rope_local_base_freq at the top)."""
-    rope = _rope_parameters(cfg)
+    rope = rope_parameters(cfg)
     full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
     scaling = full if full.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
     return {**_gemma_hf(cfg), "rope_theta": full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
@@ -105,7 +103,7 @@ def _gemma3_gguf(config: ModelConfig, meta: Metadata) -> Switches:
 def _phi3_hf(cfg: dict) -> Switches:
     """Partial rotary, and longrope's short/long factors with its attention factor (computed as
     transformers does when the config leaves it out)."""
-    rope = {**(cfg.get("rope_scaling") or {}), **_rope_parameters(cfg)}
+    rope = {**(cfg.get("rope_scaling") or {}), **rope_parameters(cfg)}
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     switches: Switches = {**_sliding(cfg), "rotary_dim": int(head_dim * partial)}
@@ -182,45 +180,3 @@ def gguf_family(architecture: str, where: str) -> Family:
         raise ValueError(f"unsupported GGUF architecture {architecture!r} in {where}; minivllm runs "
                          f"{', '.join(_BY_GGUF)}")
     return _BY_GGUF[architecture]
-
-
-ACTIVATION_NAMES = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
-def read_hf_config(cfg: dict, eos: int | list[int] | None, where: str) -> ModelConfig:
-    """A config.json (its generation_config's eos, if any) -> ModelConfig. A multimodal Gemma 3 nests
-    the language model's settings in `text_config`: that model is loaded, the vision tower left out."""
-    fam = hf_family(cfg.get("architectures") or [], where)
-    if "text_config" in cfg:
-        logger.warning("%s: %s is multimodal; minivllm loads its language model and ignores the vision tower",
-                       where, cfg["architectures"][0])
-        cfg = {**cfg["text_config"], "architectures": cfg["architectures"],
-               "tie_word_embeddings": cfg["text_config"].get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))}
-    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if activation not in ACTIVATION_NAMES:
-        raise ValueError(f"{where}: activation {activation!r} is not supported; minivllm runs {', '.join(ACTIVATION_NAMES)}")
-    heads = cfg["num_attention_heads"]
-    rope = _rope_parameters(cfg)
-    eos = cfg.get("eos_token_id") if eos is None else eos
-    fields: Switches = dict(
-        architecture=fam.name,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
-        attention_bias=cfg.get("attention_bias", False),
-        hidden_act=ACTIVATION_NAMES[activation],
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
-    )
-    fields.update(fam.switches)
-    fields.update({k: v for k, v in fam.hf_switches(cfg).items() if v is not None})
-    return ModelConfig(**fields)

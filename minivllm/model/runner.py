@@ -26,6 +26,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         self.model = model
+        self.num_blocks = num_blocks  # the KV pool's, in blocks of block_size tokens
         self.block_size = block_size
         self.device = device
         self.prepare_time = 0.0  # seconds spent building inputs, for the engine's step breakdown

@@ -1,0 +1,91 @@
+"""A Hugging Face checkpoint directory -> its `ModelConfig` and its weights, through the family's
+registry entry (registry.py): config.json's architecture names the entry, whose switches and
+conventions complete the common fields (Gemma's norm weights get the +1 that its forward adds).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from minivllm.model.model_config import ModelConfig
+from minivllm.model.registry import Family, Switches, family, hf_family, rope_parameters
+
+logger = logging.getLogger(__name__)
+
+ACTIVATION_NAMES = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+# A multimodal checkpoint's language model (Gemma3ForConditionalGeneration), named as a plain one's.
+_LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                            "language_model.lm_head.": "lm_head."}
+
+
+def read_hf_checkpoint(path: Path, dtype: torch.dtype | None) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The directory's config and its weights under HF names, read lazily (loader.load_checkpoint)."""
+    eos = None
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    config = read_hf_config(json.loads((path / "config.json").read_text()), eos, f"{path}/config.json")
+    return config, _hf_weights(path, dtype, family(config.architecture))
+
+
+def read_hf_config(cfg: dict, eos: int | list[int] | None, where: str) -> ModelConfig:
+    """A config.json (its generation_config's eos, if any) -> ModelConfig. A multimodal Gemma 3 nests
+    the language model's settings in `text_config`: that model is loaded, the vision tower left out."""
+    fam = hf_family(cfg.get("architectures") or [], where)
+    if "text_config" in cfg:
+        logger.warning("%s: %s is multimodal; minivllm loads its language model and ignores the vision tower",
+                       where, cfg["architectures"][0])
+        cfg = {**cfg["text_config"], "architectures": cfg["architectures"],
+               "tie_word_embeddings": cfg["text_config"].get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))}
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if activation not in ACTIVATION_NAMES:
+        raise ValueError(f"{where}: activation {activation!r} is not supported; minivllm runs {', '.join(ACTIVATION_NAMES)}")
+    heads = cfg["num_attention_heads"]
+    rope = rope_parameters(cfg)
+    eos = cfg.get("eos_token_id") if eos is None else eos
+    fields: Switches = dict(
+        architecture=fam.name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        rope_scaling=cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+        attention_bias=cfg.get("attention_bias", False),
+        hidden_act=ACTIVATION_NAMES[activation],
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+    )
+    fields.update(fam.switches)
+    fields.update({k: v for k, v in fam.hf_switches(cfg).items() if v is not None})
+    return ModelConfig(**fields)
+
+
+def _hf_weights(path: Path, dtype: torch.dtype | None, fam: Family) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        # safetensors maps the file (privately) and hands out views of it.
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if fam.hf_norm_offset and name.endswith("norm.weight"):  # in float32, as transformers adds it
+                    tensor = tensor.float() + fam.hf_norm_offset
+                prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+                if prefix is not None:
+                    name = _LANGUAGE_MODEL_PREFIXES[prefix] + name.removeprefix(prefix)
+                yield name, tensor if dtype is None else tensor.to(dtype)
