@@ -18,7 +18,7 @@ from minivllm.cli import main
 from minivllm.config import EngineConfig
 from minivllm.engine.executor import load_parts
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import StepTracer
+from minivllm.tracing.trace import StepTracer
 from minivllm.router.policies import Router
 
 

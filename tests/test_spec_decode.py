@@ -15,7 +15,9 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_decode import NgramProposer, SpeculativeConfig, SuffixProposer, draft_length
+from minivllm.config import SpeculativeConfig
+from minivllm.spec_decode.extension import draft_length
+from minivllm.spec_decode.proposers import NgramProposer, SuffixProposer
 from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import StructuredOutputsParams
 from tests.helpers import LONG_PROMPT, assert_idle

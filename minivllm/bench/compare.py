@@ -22,7 +22,7 @@ from minivllm.bench.metrics import Distribution, RequestRecord, ServingMetrics, 
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import StepRow, StepTracer, run_record
+from minivllm.tracing.trace import StepRow, StepTracer, run_record
 from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import SamplingParams
 

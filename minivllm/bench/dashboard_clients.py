@@ -19,7 +19,7 @@ import httpx
 import uvicorn
 
 from minivllm.config import EngineConfig
-from minivllm.engine.async_engine import AsyncEngine
+from minivllm.frontend.async_engine import AsyncEngine
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.server.api import ServerOptions, build_app
 

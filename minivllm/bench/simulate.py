@@ -25,7 +25,7 @@ from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.executor import ModelParts, num_kv_blocks
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import StepTracer, run_record
+from minivllm.tracing.trace import StepTracer, run_record
 from minivllm.model.batch import BatchInputs, SamplingRow
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.sampler import SamplerOutput

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from minivllm.config import EngineConfig, parse_size
-from minivllm.engine.kv_tier import KVTier, make_kv_tier
+from minivllm.kv_tier.store import KVTier, make_kv_tier
 from minivllm.model.kernels import layer_ops
 from minivllm.model.kernels import report as kernels_report
 from minivllm.model.loader import resolve_model_path

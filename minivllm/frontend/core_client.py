@@ -27,13 +27,13 @@ import zmq
 import zmq.asyncio
 
 from minivllm.config import EngineConfig
-from minivllm.engine.async_engine import EngineDeadError, EngineRequest, RequestStream
-from minivllm.engine.core import ERRORS, STARTUP_FAILED, run_engine_core
-from minivllm.engine.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
+from minivllm.frontend.async_engine import EngineDeadError, EngineRequest, RequestStream
+from minivllm.frontend.core import ERRORS, STARTUP_FAILED, run_engine_core
+from minivllm.frontend.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
                                            UtilityCall, decoder, encoder)
-from minivllm.engine.live import LiveFeed
+from minivllm.tracing.live import LiveFeed
 from minivllm.engine.llm_engine import tokenize_prompt
-from minivllm.engine.text import cut_at_stop_string, visible_text
+from minivllm.text import cut_at_stop_string, visible_text
 from minivllm.lora.request import LoRARequest
 from minivllm.model.loader import load_checkpoint, resolve_model_path
 from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer, get_tokenizer
