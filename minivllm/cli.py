@@ -165,7 +165,7 @@ def _in_process_engine(config: EngineConfig, max_waiting_requests: int | None,
         engine.warm_up()
         return engine
 
-    # Built on a thread that then exits, so that the step thread (async_engine.py) is the only thread
+    # Built on a thread that then exits, so that the step thread (frontend/async_engine.py) is the only thread
     # with an OpenMP team: libgomp keeps a team per thread that starts parallel work and, once it
     # manages more threads than there are CPUs, stops spinning between parallel regions; every small
     # GEMM of a decode step then waits for a futex wake-up (decode steps 1.8x as long on 2 cores).

@@ -117,7 +117,7 @@ class EngineConfig:
 
     @property
     def kv_offloading(self) -> bool:
-        """Whether evicted prefix blocks are kept in a second tier (engine/kv_tier.py)."""
+        """Whether evicted prefix blocks are kept in a second tier (kv_tier/)."""
         return bool(self.kv_offloading_size) or self.kv_offloading_dir is not None
 
     @property

@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("frontend", ["minivllm.frontend"]),
     ("serving", ["minivllm.server", "minivllm.router"]),
     ("bench", ["minivllm.bench"]),
-    ("cli", ["minivllm.cli", "minivllm.__main__"]),
+    ("cli", ["minivllm.cli"]),
 ]
 
 # Arrows that break the rule and are being removed elsewhere. The worker builds its runner through the

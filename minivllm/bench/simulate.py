@@ -25,12 +25,12 @@ from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.executor import ModelParts, num_kv_blocks
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.tracing.trace import StepTracer, run_record
 from minivllm.model.batch import BatchInputs, SamplingRow
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.sampler import SamplerOutput
 from minivllm.outputs import RequestMetrics
 from minivllm.router.policies import Router
+from minivllm.tracing.trace import StepTracer, run_record
 
 
 class VirtualClock:

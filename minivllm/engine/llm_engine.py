@@ -6,8 +6,8 @@
 
 Features join the step through two seams (seams.py) and are never named here: admission gates, which
 the scheduler asks before a waiting request starts, and step extensions, which this loop calls around
-each step (speculative decoding's verify/propose, grammars, LoRA adapters, the KV tier). Which ones an
-engine has follows from its config (minivllm/features.py); callers may add their own.
+each step. Which ones an engine has follows from its config (minivllm/features.py); callers may add
+their own.
 
 What it computes with (`ModelParts`) and its clock are injected: by default the loaded model and
 `time.perf_counter`; the simulator (bench/simulate.py) passes a cost model and a virtual clock, and
@@ -127,7 +127,7 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0, tenant: str = "default",
                     **options: Any) -> str:
         """Queue a request; raises ValueError (naming the problem) for an invalid one. `options` are for
-        the step extensions (e.g. lora_request=, taken by the LoRA feature); one nobody takes is an error."""
+        the step extensions (each takes its own, see features.py); one nobody takes is an error."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -175,7 +175,7 @@ class LLMEngine:
 
     def utility(self, method: str, *args: Any) -> Any:
         """Call `method` of the engine, else of the first extension that has it (the frontends' remote
-        calls, such as the LoRA feature's add_lora, reach features this way)."""
+        calls reach the features' methods this way)."""
         for target in (self, *self.extensions):
             if callable(getattr(target, method, None)) and not method.startswith("_"):
                 return getattr(target, method)(*args)
@@ -242,8 +242,10 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         t_forward = self.clock()
         rows, own_rows = sampling_rows(sampling, drafts)
-        for extension in self.extensions:
-            extension.prepare_sampling(list(zip(sampling, own_rows)))
+        if self.extensions:
+            row_of = list(zip(sampling, own_rows))
+            for extension in self.extensions:
+                extension.prepare_sampling(row_of)
         if logits is not None and logits.shape[0] > len(rows):  # rows past the sampling ones: prompt_logprobs
             self._score_prompts(sched, batch, logits[len(rows):])
             logits = logits[:len(rows)]
@@ -371,8 +373,8 @@ class LLMEngine:
             self.tracer.flush()
 
     def close(self) -> None:
-        """Close the extensions (the KV tier keeps the pool's prefix blocks, the grammar compiler stops),
-        stop the tensor-parallel workers and write out the trace, if one is kept."""
+        """Close the extensions (each keeps or stops what it must), stop the tensor-parallel workers and
+        write out the trace, if one is kept."""
         for extension in self.extensions:
             extension.close()
         if self._release is not None:

@@ -25,7 +25,8 @@ def batch_inputs(sched: SchedulerOutput) -> BatchInputs:
     return BatchInputs(spans, sched.num_padding_tokens)
 
 
-def sampling_rows(sampling: list[Sequence], drafts: dict[str, list[int]]) -> tuple[list[SamplingRow], list[SamplingRow]]:
+def sampling_rows(sampling: list[Sequence],
+                  drafts: dict[str, list[int]]) -> tuple[list[SamplingRow], list[SamplingRow]]:
     """The sampler's rows, as the runner's logits come: per sequence its own, then one per draft token
     it verifies (with the draft tokens before that row taken as output, so that penalties count them,
     min_tokens and bad_words see them, and a seeded request draws the noise of the row's position);

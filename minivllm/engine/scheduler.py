@@ -226,7 +226,8 @@ class Scheduler(SchedulerBase):
             if self.gates and not self.admits(seq):  # held back: the others go ahead (as in vLLM v1)
                 continue
             hits = self.block_manager.match_prefix(seq)
-            if self.block_manager.block_store is not None and self._room_for(seq, seq.num_tokens - len(hits) * bs, hits):
+            store = self.block_manager.block_store
+            if store is not None and self._room_for(seq, seq.num_tokens - len(hits) * bs, hits):
                 # The blocks that follow, copied back from the block store (a fraction of what computing
                 # them costs); only for a prompt that fits, so that every load is used.
                 if self.block_manager.reading_from_store(seq, hits):

@@ -21,14 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from minivllm.tracing.live import LiveFeed
 from minivllm.engine.llm_engine import LLMEngine, PromptType
-from minivllm.tracing.trace import run_record
 from minivllm.lora.request import LoRARequest
 from minivllm.model.tokenizer import Tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.structured_output.extension import StructuredOutputs
+from minivllm.tracing.live import LiveFeed
+from minivllm.tracing.trace import run_record
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +185,8 @@ class AsyncEngine:
         return stream
 
     async def utility(self, method: str, *args: Any) -> Any:
-        """LLMEngine.utility(`method`, *args), run in the step thread between steps (the engine is not thread-safe);
-        its exception, if any, is raised here."""
+        """LLMEngine.utility(`method`, *args), run in the step thread between steps (the engine is not
+        thread-safe); its exception, if any, is raised here."""
         self.check_running()
         done = self._loop.create_future()
 

@@ -24,17 +24,17 @@ import msgspec
 import zmq
 
 from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.frontend.async_engine import EngineRequest, QueueFullError, add_group
 from minivllm.frontend.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
                                            Timestamps, UtilityCall, decoder, encoder)
-from minivllm.tracing.live import LiveFeed
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.tracing.trace import run_record
 from minivllm.lora.extension import LoRAAdapters
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import StructuredOutputsParams
 from minivllm.structured_output.extension import StructuredOutputs
+from minivllm.tracing.live import LiveFeed
+from minivllm.tracing.trace import run_record
 
 STARTUP_FAILED = -1  # the call id of the Reply that says why the engine could not start
 # The exceptions a Reply re-raises in the frontend as themselves (by the first of their classes named here:

@@ -35,8 +35,8 @@ from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from minivllm.frontend.async_engine import EngineClient, EngineDeadError, EngineRequest, QueueFullError, RequestStream
 from minivllm.engine.llm_engine import PromptType
+from minivllm.frontend.async_engine import EngineClient, EngineDeadError, EngineRequest, QueueFullError, RequestStream
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams

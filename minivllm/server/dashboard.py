@@ -7,7 +7,7 @@ trace files (`minivllm view`).
     GET  /dashboard/traces       replay: every record of every trace
     POST /dashboard/login        with --api-key: the key, once, from the page's form; answers with a cookie
 
-The records are those of engine/trace.py: a "run" record (the budgets), one "step" record per engine
+The records are those of tracing/trace.py: a "run" record (the budgets), one "step" record per engine
 step (the step trace's CSV row) and one "request" record per state change of a request.
 
 With --api-key, every dashboard route needs the key like /v1 does. A browser's EventSource cannot
