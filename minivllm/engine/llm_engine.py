@@ -176,9 +176,10 @@ class LLMEngine:
     def utility(self, method: str, *args: Any) -> Any:
         """Call `method` of the engine, else of the first extension that has it (the frontends' remote
         calls reach the features' methods this way)."""
-        for target in (self, *self.extensions):
-            if callable(getattr(target, method, None)) and not method.startswith("_"):
-                return getattr(target, method)(*args)
+        if not method.startswith("_"):
+            for target in (self, *self.extensions):
+                if callable(function := getattr(target, method, None)):
+                    return function(*args)
         raise AttributeError(f"neither the engine nor its extensions have a method {method!r}")
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:

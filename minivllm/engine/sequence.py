@@ -51,7 +51,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_verified: int = 0
     num_spec_accepted: int = 0
-    lora: Any = None  # the LoRA adapter it runs under (lora/manager.LoadedAdapter), or None for the base
+    lora: Any = None  # the LoRA adapter it runs under (lora/layers.LoadedAdapter), or None for the base
     cache_salt: bytes | None = None  # folded into its first prefix-cache block hash (the adapter's)
 
     def __post_init__(self) -> None:
