@@ -21,7 +21,7 @@ class LoRAAdapters(StepExtension):
     """Without --enable-lora it has no manager and refuses requests that name an adapter."""
 
     def __init__(self, config: EngineConfig, runner: Any) -> None:
-        self.max_loras = config.max_loras
+        self.config = config  # read when asked: max_loras may be changed on a live engine
         self.manager = (LoRAManager(runner.model, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
                         if config.enable_lora else None)
 
@@ -31,7 +31,7 @@ class LoRAAdapters(StepExtension):
         if seq.lora is None:
             return True
         adapters = {s.lora for s in running if s.lora is not None}
-        return seq.lora in adapters or len(adapters) < self.max_loras
+        return seq.lora in adapters or len(adapters) < self.config.max_loras
 
     def on_add(self, seq: Sequence, options: dict[str, Any]) -> None:
         lora_request = options.pop("lora_request", None)
