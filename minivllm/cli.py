@@ -12,7 +12,7 @@ from minivllm.config import EngineConfig
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the commands import what they need when they run
-    from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.frontend.async_engine import AsyncEngine
     from minivllm.lora.request import LoRARequest
 
 DEMO_PROMPTS = [
@@ -141,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.disable_frontend_multiprocessing:
         engine = _in_process_engine(config, options.max_waiting_requests, options.lora_modules)
     else:
-        from minivllm.engine.core_client import EngineCoreClient
+        from minivllm.frontend.core_client import EngineCoreClient
 
         engine = EngineCoreClient(config, options.max_waiting_requests, options.lora_modules)
         print(f"minivllm: the engine core runs in process {engine.process.pid}", flush=True)
@@ -155,16 +155,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def _in_process_engine(config: EngineConfig, max_waiting_requests: int | None,
                        lora_modules: list[LoRARequest]) -> AsyncEngine:
     """The engine on a thread of the server's process (--disable-frontend-multiprocessing)."""
-    from minivllm.engine.async_engine import AsyncEngine
     from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.frontend.async_engine import AsyncEngine
+    from minivllm.lora.extension import LoRAAdapters
 
     def build() -> LLMEngine:
         engine = LLMEngine(config)
-        engine.add_loras(lora_modules)
+        engine.extension(LoRAAdapters).add_loras(lora_modules)
         engine.warm_up()
         return engine
 
-    # Built on a thread that then exits, so that the step thread (async_engine.py) is the only thread
+    # Built on a thread that then exits, so that the step thread (frontend/async_engine.py) is the only thread
     # with an OpenMP team: libgomp keeps a team per thread that starts parallel work and, once it
     # manages more threads than there are CPUs, stops spinning between parallel regions; every small
     # GEMM of a decode step then waits for a futex wake-up (decode steps 1.8x as long on 2 cores).

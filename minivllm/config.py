@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -10,8 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-
-    from minivllm.engine.spec_decode import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # vLLM's names (fp8 = fp8_e4m3); int8 is ours
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -120,15 +119,13 @@ class EngineConfig:
 
     @property
     def kv_offloading(self) -> bool:
-        """Whether evicted prefix blocks are kept in a second tier (engine/kv_tier.py)."""
+        """Whether evicted prefix blocks are kept in a second tier (kv_tier/)."""
         return bool(self.kv_offloading_size) or self.kv_offloading_dir is not None
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config` parsed and checked (a ValueError names what is wrong); parsed on each
         call rather than kept, so that `vars(config)` stays the constructor's arguments."""
-        from minivllm.engine.spec_decode import SpeculativeConfig
-
         return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @property
@@ -192,3 +189,59 @@ def bf16_is_fast(device: "torch.device") -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+SPECULATIVE_METHODS = ("ngram", "suffix")  # spec_decode/proposers.py: one proposer each
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys for the draftless methods."""
+
+    method: str
+    num_speculative_tokens: int = 4  # the most draft tokens verified per sequence and step
+    prompt_lookup_min: int = 1  # ngram
+    prompt_lookup_max: int = 4  # ngram
+    suffix_decoding_max_tree_depth: int = 24  # suffix: longest context matched
+    # suffix: requests whose outputs the shared table keeps (vLLM's default is 10000; each cached token
+    # costs max_tree_depth table entries in Python here, so the default is smaller)
+    suffix_decoding_max_cached_requests: int = 256
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: draft at most this x the matched length
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop the draft below this probability
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
+        """From `--speculative-config` JSON text or a dict; a ValueError names what is wrong."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+        if value.get("method") not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {value.get('method')!r}")
+        config = cls(**value)
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            positive_int(name)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ValueError("speculative_config.suffix_decoding_max_spec_factor must be > 0")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in [0, 1]")

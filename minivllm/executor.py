@@ -16,7 +16,7 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.worker import start_tensor_parallel
-from minivllm.engine.kv_tier import KVTier, make_kv_tier
+from minivllm.kv_tier.store import KVTier, make_kv_tier
 from minivllm.model.build import build_runner
 from minivllm.model.kernels import layer_ops
 from minivllm.model.kernels import report as kernels_report

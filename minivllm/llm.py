@@ -13,6 +13,7 @@ from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.structured_output.extension import StructuredOutputs
 
 
 class LLM:
@@ -62,7 +63,7 @@ class LLM:
         """Fan a request with n > 1 out into n engine requests (seeds kept distinct). Only the finished
         outputs are read (as vLLM's LLM does, FINAL_ONLY)."""
         if params.structured_outputs is not None:  # a grammar the library rejects is a ValueError here
-            self.engine.structured_output.compile(params.structured_outputs).result()
+            self.engine.extension(StructuredOutputs).compile(params.structured_outputs).result()
         base = f"offline-{time.perf_counter_ns()}"
         return [self.engine.add_request(f"{base}-{k}", prompt, child, priority=priority, tenant=tenant,
                                         lora_request=lora_request)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.policies import POLICIES, SchedulingPolicy
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput, will_sample
+from minivllm.engine.scheduler import Scheduler, will_sample
+from minivllm.engine.scheduler_output import SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.static_scheduler import StaticBatchScheduler
 from minivllm.outputs import RequestMetrics

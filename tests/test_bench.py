@@ -24,8 +24,8 @@ from minivllm.bench.metrics import Distribution, RequestRecord, count_good, pars
 from minivllm.bench.workloads import (BenchRequest, TextCorpus, arrival_offsets, build_workload, load_tokenizer,
                                       range_around, workload_spec)
 from minivllm.cli import build_parser, main
-from minivllm.engine.trace import StepRow
 from minivllm.outputs import RequestMetrics
+from minivllm.tracing.trace import StepRow
 
 TINY = ["--dataset", "random", "--num-prompts", "4", "--input-len-range", "16:48", "--output-len-range", "4:8",
         "--disable-tqdm"]

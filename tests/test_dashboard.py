@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from minivllm.engine.live import LiveFeed
-from minivllm.engine.trace import COLUMNS, StepRow
+from minivllm.tracing.live import LiveFeed
+from minivllm.tracing.trace import COLUMNS, StepRow
 from tests.browser import Browser, find_chromium
 from tests.fake_engine import FakeEngine
 from tests.test_server import ServerProcess, start_server

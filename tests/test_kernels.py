@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.model.attention import kv_cache_shapes, write_kv
+from minivllm.model.attention import kv_cache_shapes
+from minivllm.model.kv_cache import write_kv
 from minivllm.model.kernels import (KERNEL_GROUPS, attention_kernel, cpu_arch, gemm, layer_ops, library,
                                     paged_attention_native, report)
 from minivllm.model.kv_cache import KVCache, allocate_kv_caches, dequantize, kv_format

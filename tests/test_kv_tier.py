@@ -1,4 +1,4 @@
-"""The KV tier (engine/kv_tier.py): prefix blocks evicted from a tiny pool come back from RAM and from a
+"""The KV tier (kv_tier/): prefix blocks evicted from a tiny pool come back from RAM and from a
 directory bit-exact, the directory serves the next process and other engines on it, and damaged,
 foreign, vanished or unwritable entries cost a recompute, never a wrong answer.
 
@@ -21,7 +21,7 @@ import pytest
 
 from minivllm import LLM
 from minivllm.engine.block_manager import block_hash
-from minivllm.engine.kv_tier import MAGIC
+from minivllm.kv_tier.store import MAGIC
 from minivllm.server.dashboard import load_trace
 from minivllm.server.metrics import ServerMetrics
 from tests.helpers import LONG_PROMPT, assert_idle, greedy
@@ -48,7 +48,7 @@ def run(llm: LLM, prompt: list[int]) -> tuple[list[int], list, int]:
 
 def entry_files(llm: LLM, prompt: list[int]) -> list[Path]:
     """The directory entries of `prompt`'s reusable blocks, in prefix order."""
-    disk = llm.engine.block_manager.tier.disk
+    disk = llm.engine.block_manager.block_store.disk
     paths, parent = [], None
     for i in range((len(prompt) - 1) // BS):
         parent = block_hash(parent, prompt[i * BS:(i + 1) * BS])
@@ -69,7 +69,7 @@ def test_evicted_prefix_comes_back_from_the_tier_bit_identical(tier: str, dtype:
     assert warm[2] == 6 * BS, "one block from the pool, five from the tier"
     assert stats[f"kv_offload_{tier}_hits"] == FROM_TIER
     assert warm[:2] == cold[:2]
-    assert stats["kv_offload_loaded_bytes"] == 5 * llm.engine.block_manager.tier.pool.nbytes
+    assert stats["kv_offload_loaded_bytes"] == 5 * llm.engine.block_manager.block_store.pool.nbytes
     assert stats["kv_offload_load_seconds"] > 0 and stats[f"kv_offload_{tier}_usage_bytes"] > 0
     metrics = ServerMetrics("m", llm.engine.get_stats).render()[0].decode()
     assert f"minivllm:kv_offload_{tier}_hits_total{{model_name=\"m\"}} {FROM_TIER}.0" in metrics
@@ -107,7 +107,7 @@ def test_a_prompt_reading_from_disk_does_not_stall_the_others(tmp_path: Path) ->
     first.engine.close()
 
     second = small_llm(kv_offloading_dir=str(tmp_path))
-    engine, disk = second.engine, second.engine.block_manager.tier.disk
+    engine, disk = second.engine, second.engine.block_manager.block_store.disk
     disk_released, real_get = threading.Event(), disk.get
 
     def slow_get(*args: Any) -> Any:
@@ -156,10 +156,10 @@ def test_damaged_and_foreign_entries_are_dropped_never_used(tmp_path: Path, capl
     files[4].write_bytes(b"not an entry")
 
     second = small_llm(kv_offloading_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="minivllm.engine.kv_tier"):
+    with caplog.at_level(logging.WARNING, logger="minivllm.kv_tier.store"):
         warm = run(second, a)  # the first block is corrupt: nothing is loaded, all is computed
         assert warm[2] == 0 and warm[:2] == cold[:2]
-        disk = second.engine.block_manager.tier.disk
+        disk = second.engine.block_manager.block_store.disk
         parent = None
         for i, path in enumerate(files):
             parent = block_hash(parent, a[i * BS:(i + 1) * BS])
@@ -186,7 +186,7 @@ def test_two_engines_share_a_directory_and_survive_deletions(tmp_path: Path,
     two.engine.close()
     for path in tmp_path.glob("*.kv"):  # deleted under both engines
         path.unlink()
-    with caplog.at_level(logging.INFO, logger="minivllm.engine.kv_tier"):
+    with caplog.at_level(logging.INFO, logger="minivllm.kv_tier.store"):
         again = run(two, a)
     assert again[:2] == cold[:2] and again[2] == BS  # only the block still in the pool
     assert "deleted under the engine" in caplog.text
@@ -206,7 +206,7 @@ def test_a_full_disk_is_logged_and_skipped(tmp_path: Path, caplog: pytest.LogCap
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))
     try:
-        with caplog.at_level(logging.WARNING, logger="minivllm.engine.kv_tier"):
+        with caplog.at_level(logging.WARNING, logger="minivllm.kv_tier.store"):
             run(llm, b)  # evicts A's blocks: none can be written
             warm = run(llm, a)
     finally:

@@ -15,6 +15,7 @@ import torch
 
 from minivllm import LLM, LoRARequest
 from minivllm.lora.adapter import PEFT_CONFIG, PEFT_WEIGHTS, PROJECTIONS, read_adapter
+from minivllm.lora.extension import LoRAAdapters
 from tests.helpers import EQUALITY_PROMPTS, LONG_PROMPT, HFGreedy, assert_idle, greedy, layer_loop_outputs
 
 RANK, NUM_TOKENS = 8, 8
@@ -204,7 +205,7 @@ def test_kernel_matches_twin_and_is_batch_invariant(bf16_llm: LLM, f32_llm: LLM,
     """csrc/lora.c against lora_twin on a real adapter's layout, and a row alone against the row among
     other adapters' rows."""
     for llm in (bf16_llm, f32_llm):
-        manager, context = llm.engine.lora_manager, llm.engine.runner.model.lora
+        manager, context = llm.engine.extension(LoRAAdapters).manager, llm.engine.runner.model.lora
         loaded = [manager.get(a) for a in adapters]
         if context.kernel is None:
             pytest.skip("no native kernels here (MINIVLLM_NO_KERNELS or no compiler)")
@@ -249,10 +250,11 @@ def test_bad_adapters_are_refused_by_name(f32_llm: LLM, tmp_path: Path) -> None:
     cases["no such adapter"] = tmp_path / "missing"
     for i, (message, path) in enumerate(cases.items(), start=100):
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            f32_llm.engine.add_lora(LoRARequest(path.name, i, str(path)))
+            f32_llm.engine.extension(LoRAAdapters).add_lora(LoRARequest(path.name, i, str(path)))
         with pytest.raises(ValueError, match="prompt 0"):
             f32_llm.generate(["Hi"], greedy(2), use_tqdm=False, lora_request=LoRARequest(path.name, i, str(path)))
-    assert not {r.lora_name for r in f32_llm.engine.list_loras()} & {p.name for p in cases.values()}
+    registered = {r.lora_name for r in f32_llm.engine.extension(LoRAAdapters).list_loras()}
+    assert not registered & {p.name for p in cases.values()}
     assert len(tokens(f32_llm, ["Hi"], n=2)[0]) == 2  # still serving
     assert_idle(f32_llm.engine)
 
@@ -260,15 +262,15 @@ def test_bad_adapters_are_refused_by_name(f32_llm: LLM, tmp_path: Path) -> None:
 def test_server_endpoints(f32_llm: LLM, adapters: list[LoRARequest]) -> None:
     from fastapi.testclient import TestClient
 
-    from minivllm.engine.async_engine import AsyncEngine
+    from minivllm.frontend.async_engine import AsyncEngine
     from minivllm.server.api import ServerOptions, build_app
 
-    engine = f32_llm.engine
+    engine, loras = f32_llm.engine, f32_llm.engine.extension(LoRAAdapters)
     expected = f32_llm.generate([PROMPTS[0]], greedy(NUM_TOKENS), use_tqdm=False,
                                 lora_request=adapters[1])[0].outputs[0].text
-    for a in engine.list_loras():  # the offline tests' registrations: start from none
-        engine.remove_lora(a.lora_name)
-    engine.add_loras([adapters[0]])  # as --lora-modules does before the server starts
+    for a in loras.list_loras():  # the offline tests' registrations: start from none
+        loras.remove_lora(a.lora_name)
+    loras.add_loras([adapters[0]])  # as --lora-modules does before the server starts
     app = build_app(AsyncEngine(engine), ServerOptions("base", lora_modules=[adapters[0]]))
     with TestClient(app) as http:
         def complete(model: str) -> Any:

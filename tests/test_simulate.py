@@ -18,8 +18,8 @@ from minivllm.cli import main
 from minivllm.config import EngineConfig
 from minivllm.executor import load_parts
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import StepTracer
 from minivllm.router.policies import Router
+from minivllm.tracing.trace import StepTracer
 
 
 class WallTimedRunner:

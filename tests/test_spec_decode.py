@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, SpeculativeConfig
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_decode import NgramProposer, SpeculativeConfig, SuffixProposer, draft_length
 from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import StructuredOutputsParams
+from minivllm.spec_decode.extension import draft_length
+from minivllm.spec_decode.proposers import NgramProposer, SuffixProposer
 from tests.helpers import LONG_PROMPT, assert_idle
 
 FUNCTION = '''def moving_average(values, width):

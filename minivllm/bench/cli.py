@@ -12,21 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from minivllm.bench.workloads import (TextCorpus, add_workload_args, build_workload, load_tokenizer, mixed_requests,
-                                      parse_range, requests_as_dicts, with_arrivals, workload_spec)
+from minivllm.bench.cli_common import (add_output_args, add_trace_args, describe_compare, dtype_name, rate, span,
+                                       write_json)
 from minivllm.bench.quality import DEFAULT_TEXT
+from minivllm.bench.workloads import (TextCorpus, add_workload_args, build_workload, load_tokenizer, mixed_requests,
+                                      requests_as_dicts, with_arrivals, workload_spec)
 from minivllm.config import KV_CACHE_DTYPES, EngineConfig
-
-
-def write_json(path: str | None, result: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"Results written to {path}")
-
-
-def _dtype_name(config: EngineConfig) -> str:
-    return str(config.torch_dtype).removeprefix("torch.")
 
 
 # -- throughput -----------------------------------------------------------------------------------------
@@ -48,7 +39,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     if args.backend == "hf":
         out["hf_batch_size"] = args.hf_batch_size
     if args.roofline:
-        dtype = _dtype_name(config)
+        dtype = dtype_name(config)
         roof = measure(model_config, config.torch_device, dtypes=(dtype,))
         fraction = roof.throughput_fraction(dtype, result.total_input_tokens, result.total_output_tokens,
                                             result.elapsed)
@@ -160,7 +151,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         files.append(write_rows(out_dir / "hf.csv", runs[-1].rows))
     summaries = [summarize(run) for run in runs]
     files += write_plots(runs, out_dir, args.static_batch_size) + ["results.json"]
-    workload, setup = _describe_compare(args, config, requests)
+    workload, setup = describe_compare(args, config, requests)
     (out_dir / "report.md").write_text(compare_markdown(summaries, workload, setup, _compare_command(args), files))
     print(verdict(summaries))
     print(compare_table(summaries))
@@ -171,37 +162,16 @@ def cmd_compare(args: argparse.Namespace) -> None:
     write_json(args.output_json, result)
 
 
-def _describe_compare(args: argparse.Namespace, config: EngineConfig, requests: list) -> tuple[str, str]:
-    """(the workload, the systems' setup) in a sentence each, for the report."""
-    n_long = sum(r.kind == "long" for r in requests)
-    workload = (f"{len(requests)} requests ({n_long} long, {len(requests) - n_long} short), arrivals at "
-                f"{args.request_rate} req/s (burstiness {args.burstiness}), seed {args.seed}; short: prompts "
-                f"{_span(args.short_input_len)}, outputs {_span(args.short_output_len)} tokens; long: prompts "
-                f"{_span(args.long_input_len)}, outputs {_span(args.long_output_len)} tokens; greedy, ignore_eos; "
-                f"prompts cut from the Python docs' prose")
-    setup = (f"model {config.model or 'SmolLM2-135M-Instruct (default GGUF)'}, device {config.torch_device}, dtype "
-             f"{_dtype_name(config)}; static batch size {args.static_batch_size}"
-             + (f", hf batch size {args.hf_batch_size or args.static_batch_size}" if args.with_hf else "")
-             + f"; continuous: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-               f"{config.max_num_batched_tokens}, chunked prefill {config.enable_chunked_prefill}; "
-               f"the whole engine config is in results.json")
-    return workload, setup
-
-
 def _compare_command(args: argparse.Namespace) -> str:
     """The command that replays this trace (engine flags other than these are in the setup line)."""
     flags = [f"--num-prompts {args.num_prompts}", f"--request-rate {args.request_rate}",
              f"--burstiness {args.burstiness}", f"--seed {args.seed}", f"--long-fraction {args.long_fraction}",
-             *(f"--{name.replace('_', '-')} {_span(getattr(args, name), ':')}"
+             *(f"--{name.replace('_', '-')} {span(getattr(args, name), ':')}"
                for name in ("short_input_len", "short_output_len", "long_input_len", "long_output_len")),
              f"--static-batch-size {args.static_batch_size}", f"--dtype {args.dtype}", f"--device {args.device}"]
     if args.with_hf:
         flags.append(f"--with-hf --hf-batch-size {args.hf_batch_size or args.static_batch_size}")
     return "minivllm bench compare " + " ".join(flags)
-
-
-def _span(bounds: tuple[int, int], sep: str = "..") -> str:
-    return f"{bounds[0]}{sep}{bounds[1]}"
 
 
 # -- roofline -------------------------------------------------------------------------------------------
@@ -234,19 +204,6 @@ def cmd_roofline(args: argparse.Namespace) -> None:
 
 
 # -- the parser -----------------------------------------------------------------------------------------
-def _output_args(p: argparse.ArgumentParser, progress: bool = True) -> None:
-    p.add_argument("--output-json", default=None, help="write the results (and the workload) to this JSON file")
-    if progress:
-        p.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
-
-
-def _rate(text: str) -> float:
-    rate = float(text)
-    if not rate > 0:  # inf is welcome: everything at once
-        raise argparse.ArgumentTypeError(f"must be > 0 or inf, got {text!r}")
-    return rate
-
-
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
@@ -270,20 +227,6 @@ def _dtypes(text: str) -> tuple[str, ...]:
     if not set(names) <= {"bfloat16", "float32", "float16"}:
         raise argparse.ArgumentTypeError(f"expected dtypes among bfloat16, float32, float16; got {text!r}")
     return names
-
-
-def add_trace_args(p: argparse.ArgumentParser) -> None:
-    """bench compare's arrival trace of short and long requests (bench simulate takes it too)."""
-    g = p.add_argument_group("arrival trace")
-    g.add_argument("--num-prompts", type=int, default=48)
-    g.add_argument("--request-rate", type=_rate, default=2.0, help="requests/s (Poisson at burstiness 1)")
-    g.add_argument("--burstiness", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--long-fraction", type=float, default=0.25, help="share of long requests")
-    g.add_argument("--short-input-len", type=parse_range, default=(16, 128), metavar="MIN:MAX")
-    g.add_argument("--short-output-len", type=parse_range, default=(8, 64), metavar="MIN:MAX")
-    g.add_argument("--long-input-len", type=parse_range, default=(256, 512), metavar="MIN:MAX")
-    g.add_argument("--long-output-len", type=parse_range, default=(128, 256), metavar="MIN:MAX")
 
 
 def cmd_scheduling(args: argparse.Namespace) -> None:
@@ -354,7 +297,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "its index), instead of greedy: seeded outputs are compared like greedy ones")
     p.add_argument("--roofline", action="store_true",
                    help="also measure this machine's roofline and report the run as a share of it")
-    _output_args(p)
+    add_output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed",))
     p.set_defaults(func=cmd_throughput)
 
@@ -364,7 +307,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--num-iters", type=int, default=3)
-    _output_args(p, progress=False)
+    add_output_args(p, progress=False)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_latency)
 
@@ -374,7 +317,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="checkpoint whose tokenizer builds the prompts (default: SmolLM2)")
     add_workload_args(p)
-    p.add_argument("--request-rate", type=_rate, default=math.inf,
+    p.add_argument("--request-rate", type=rate, default=math.inf,
                    help="requests/s of the arrival process (default: inf, all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times: 1 is Poisson, < 1 burstier, > 1 more regular")
@@ -390,7 +333,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-to", default=None, metavar="JSON",
                    help="another run's --output-json on the same workload: say whether every output is the same "
                         "text (greedy_exact), e.g. with and without speculative decoding")
-    _output_args(p)
+    add_output_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = bench_sub.add_parser("compare", help="static vs continuous batching on one arrival trace")
@@ -398,7 +341,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--with-hf", action="store_true", help="also run Hugging Face transformers on static batches")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: --static-batch-size")
     p.add_argument("--output-dir", default="runs/compare", help="report.md, plots, step traces, results.json")
-    _output_args(p)
+    add_output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file"))
     p.set_defaults(func=cmd_compare)
 
@@ -407,7 +350,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-budget", type=int, default=256, help="max_num_batched_tokens of the chunked run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/scheduling", help="step traces of every run")
-    _output_args(p)
+    add_output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed", "trace_file", "enable_chunked_prefill", "scheduling_policy"))
     p.set_defaults(func=cmd_scheduling)
 
@@ -417,7 +360,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-runs", type=int, default=5, help="runs per case with warm caches")
     p.add_argument("--num-cold-runs", type=int, default=1, help="runs per case with an empty cache directory")
     p.add_argument("--model", default=None, help="GGUF file or checkpoint directory (default: SmolLM2)")
-    _output_args(p, progress=False)
+    add_output_args(p, progress=False)
     p.set_defaults(func=cmd_startup)
 
     p = bench_sub.add_parser("kernels", help="the CPU fast paths (bf16) against the torch code they replace")
@@ -429,7 +372,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--op-rows", type=_ints, default=[1, 64, 2048], help="token rows of the fused layer ops")
     p.add_argument("--kv-cache-dtype", type=_kv_cache_dtypes, default=["auto"],
                    help="KV cache formats the attention runs on, e.g. auto,int8,fp8")
-    _output_args(p, progress=False)
+    add_output_args(p, progress=False)
     p.set_defaults(func=cmd_kernels)
 
     p = bench_sub.add_parser("quality", help="teacher-forced perplexity and top-1 agreement of an engine setting "
@@ -439,7 +382,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="held-out prose to score (default: the shipped text)")
     p.add_argument("--chunk-len", type=int, default=512, help="tokens per teacher-forced chunk")
     p.add_argument("--num-tokens", type=int, default=None, help="score only the first N tokens (default: all)")
-    _output_args(p, progress=False)
+    add_output_args(p, progress=False)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_quality)
 
@@ -449,7 +392,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-tokens", type=int, default=512, help="tokens per GEMM (the batch of a step)")
     p.add_argument("--dtypes", type=_dtypes, default=("bfloat16", "float32"),
                    help="comma-separated dtypes to measure (default: bfloat16,float32)")
-    _output_args(p, progress=False)
+    add_output_args(p, progress=False)
     p.set_defaults(func=cmd_roofline)
 
     from minivllm.bench.simulate_cli import add_simulate_parsers

@@ -22,9 +22,9 @@ from minivllm.bench.metrics import Distribution, RequestRecord, ServingMetrics, 
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import StepRow, StepTracer, run_record
 from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import SamplingParams
+from minivllm.tracing.trace import StepRow, StepTracer, run_record
 
 PERCENTILES = (50, 90, 99)
 DECAY_POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where in a static batch its occupancy is sampled

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.bench.workloads import BenchRequest
-from minivllm.engine.trace import StepRow
 from minivllm.model.loader import model_files_dir, resolve_model_path
 from minivllm.model.tokenizer import Tokenizer
 from minivllm.outputs import RequestMetrics
+from minivllm.tracing.trace import StepRow
 
 
 def _step_clock():

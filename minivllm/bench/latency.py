@@ -23,6 +23,7 @@ from minivllm.bench.throughput import same_outputs, spec_text
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.extension import spec_decode_stats
 
 
 @dataclass
@@ -124,7 +125,7 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if config.speculative is not None:
         last = [outputs[f"latency-{i}-{j}"] for j in range(batch_size)]
-        result = replace(result, **engine.spec_decode_stats(since=stats_before), greedy_exact=same_outputs(
+        result = replace(result, **spec_decode_stats(engine.stats, since=stats_before), greedy_exact=same_outputs(
             config, [o.prompt_token_ids for o in last], [params] * batch_size, last))
     return result
 

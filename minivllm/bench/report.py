@@ -6,7 +6,7 @@ from pathlib import Path
 
 from minivllm.bench.compare import DECAY_POINTS, SystemRun, SystemSummary, batch_size
 from minivllm.bench.metrics import Distribution, ServingMetrics
-from minivllm.engine.trace import COLUMNS, StepRow
+from minivllm.tracing.trace import COLUMNS, StepRow
 
 
 def serving_text(m: ServingMetrics) -> str:

@@ -24,7 +24,6 @@ from minivllm.bench.cost_model import CostModel, StepHistory, StepShape
 from minivllm.bench.workloads import BenchRequest
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import StepTracer, run_record
 from minivllm.executor import ModelParts
 from minivllm.model.batch import BatchInputs, SamplingRow
 from minivllm.model.build import num_kv_blocks
@@ -32,6 +31,7 @@ from minivllm.model.model_config import ModelConfig
 from minivllm.model.sampler import SamplerOutput
 from minivllm.outputs import RequestMetrics
 from minivllm.router.policies import Router
+from minivllm.tracing.trace import StepTracer, run_record
 
 
 class VirtualClock:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minivllm.bench.cli import _describe_compare, _output_args, add_trace_args, write_json
+from minivllm.bench.cli_common import add_output_args, add_trace_args, describe_compare, write_json
 from minivllm.config import EngineConfig
 
 WORKLOADS = ("compare", "fixed", "chunked-prefill", "fair")
@@ -128,7 +128,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                              args.routing_policy, trace_dir, show, noise_seed) for s in schedulers]
     wall = time.perf_counter() - start
     summaries = [summarize(run) for run in runs]
-    workload, setup = _describe_compare(args, config, requests)
+    workload, setup = describe_compare(args, config, requests)
     setup = f"{cost.label}; {args.num_replicas} replica(s), routing {args.routing_policy}; {setup}"
     print(f"{'MODELED ' if modeled else ''}simulation of {len(requests)} requests in {wall:.1f} s wall time "
           f"({cost.label})")
@@ -245,7 +245,7 @@ def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
                                         "goes to OUTPUT_DIR/profile.json")
     p.add_argument("--output-dir", default=None, help="plots and results.json (and step traces with --trace)")
     p.add_argument("--trace", action="store_true", help="write each engine's step trace to --output-dir")
-    _output_args(p)
+    add_output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file", "tensor_parallel_size"))
     p.set_defaults(func=cmd_simulate, with_hf=False, kv_cache_memory=None)
 
@@ -253,6 +253,6 @@ def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
                                                "simulator's cost profile")
     p.add_argument("--grid", choices=("default", "tiny"), default="default", help="the step shapes measured")
     p.add_argument("--repeats", type=int, default=2, help="times each probe runs")
-    _output_args(p)
+    add_output_args(p)
     EngineConfig.add_cli_args(p, skip=("seed", "scheduler", "trace_file", "static_batch_size"))
     p.set_defaults(func=cmd_calibrate)

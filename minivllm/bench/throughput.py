@@ -17,6 +17,8 @@ from minivllm.llm import LLM
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.tokenizer import Tokenizer
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.spec_decode.extension import spec_decode_stats
+from minivllm.structured_output.extension import StructuredOutputs
 
 # What --structured-output-ratio's requests must write: a JSON list of 4 or more records, so that
 # the grammar is live for the whole output (they end at EOS once the list closes, or at output_len).
@@ -114,7 +116,7 @@ def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True, s
     if temperature > 0:  # seeded: speculative decoding promises these the same tokens too
         params = [replace(p, temperature=temperature, seed=spec["seed"] + i) for i, p in enumerate(params)]
     if structured_output_ratio:  # compile the grammar before the clock starts, as a server's cache would have it
-        llm.engine.structured_output.compile(StructuredOutputsParams(json=BENCH_SCHEMA)).result()
+        llm.engine.extension(StructuredOutputs).compile(StructuredOutputsParams(json=BENCH_SCHEMA)).result()
     warm_up(llm.engine)
     llm.engine.reset_step_time()  # measure the workload alone
     before = dict(llm.engine.stats)
@@ -128,7 +130,7 @@ def run_minivllm(config: EngineConfig, spec: dict, show_progress: bool = True, s
                               llm.engine.step_time_breakdown(), 1000 * float(np.mean([o.metrics.ttft for o in outs])),
                               len(structured), sum(len(o.outputs[0].token_ids) for o in structured))
     if config.speculative is not None:
-        spec = llm.engine.spec_decode_stats(since=before)
+        spec = spec_decode_stats(llm.engine.stats, since=before)
         llm.engine.close()
         result = replace(result, **spec, greedy_exact=same_outputs(config, prompts, params, outs))
     return result, requests, llm.engine.model_config

@@ -5,8 +5,9 @@ caching). A full block is named by a chained hash of its tokens and of every blo
 block keeps its contents and its hash, and stays reusable until it is evicted in least-recently-used
 order. Invariant: every block is either counted by exactly the tables that hold it, or free.
 
-With a KV tier (kv_tier.py), an evicted block's K/V is first copied there, and a prompt whose next
-blocks the tier holds gets them copied back into free blocks instead of recomputing them.
+With a block store (seams.KVBlockStore: the KV tier, kv_tier/), an evicted block's K/V is first copied
+there, and a prompt whose next blocks the store holds gets them copied back into free blocks instead of
+recomputing them.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from minivllm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from minivllm.engine.kv_tier import KVTier
+    from minivllm.engine.seams import KVBlockStore
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,11 +35,11 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tier: KVTier | None = None) -> None:
+                 block_store: KVBlockStore | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.tier = tier
+        self.block_store = block_store
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -104,37 +105,37 @@ class BlockManager:
                 return
             yield h, tokens, block_id
 
-    def tier_reading(self, seq: Sequence, hits: list[int]) -> bool:
-        """Whether blocks that follow `hits` (match_prefix's) are still being read from the tier's
-        directory; asking starts their reads, which run beside the steps."""
-        assert self.tier is not None
+    def reading_from_store(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether blocks that follow `hits` (match_prefix's) are still being read into the block store
+        (from its directory); asking starts their reads, which run beside the steps."""
+        assert self.block_store is not None
         reading = False
         for h, tokens, block_id in self._blocks_after(seq, len(hits)):
             if block_id is None:
-                ready = self.tier.ready(h, tokens)
+                ready = self.block_store.ready(h, tokens)
                 if ready is False:
                     break
                 reading |= ready is None
         return reading
 
-    def load_from_tier(self, seq: Sequence, hits: list[int]) -> list[int]:
-        """`hits` (match_prefix's) extended by the blocks that follow them in the pool or the tier, those
-        of the tier copied into free blocks, registered as cached and left free for allocate() to take.
+    def load_from_store(self, seq: Sequence, hits: list[int]) -> list[int]:
+        """`hits` (match_prefix's) extended by the blocks that follow them in the pool or the block store,
+        those of the store copied into free blocks, registered as cached and left free for allocate() to take.
         Call it only when can_allocate(seq, ..., hits) holds: a loaded block takes the place of a
         block the prompt would take anyway, so the loads fit, and they never evict a hit (hits are moved
         to the far end of the free queue first, loaded blocks join them there)."""
-        assert self.tier is not None
+        assert self.block_store is not None
         hits = list(hits)
         for block_id in hits:
             if self.ref_counts[block_id] == 0:
                 self.free_queue.move_to_end(block_id)
         for h, tokens, block_id in self._blocks_after(seq, len(hits)):
-            if block_id is None:  # not in the pool: in the tier?
-                data = self.tier.fetch(h, tokens)  # in hand before _pop_free may evict into the tier
+            if block_id is None:  # not in the pool: in the store?
+                data = self.block_store.fetch(h, tokens)  # in hand before _pop_free may evict into the store
                 if data is None:
                     break
                 block_id = self._pop_free()
-                self.tier.copy_into(block_id, data)
+                self.block_store.copy_into(block_id, data)
                 self.ref_counts[block_id] = 0
                 self.free_queue[block_id] = None
                 self.cached[h], self.block_hash[block_id], self.block_tokens[block_id] = block_id, h, tokens
@@ -235,8 +236,8 @@ class BlockManager:
         if h is not None:  # evict: the block's old contents are about to be overwritten
             if self.cached.get(h) == block_id:
                 del self.cached[h]
-                if self.tier is not None:  # ... so keep them in the tier first
-                    self.tier.store(h, self.block_tokens[block_id], block_id)
+                if self.block_store is not None:  # ... so keep them in the store first
+                    self.block_store.store(h, self.block_tokens[block_id], block_id)
             self.block_hash[block_id] = None
             self.block_tokens[block_id] = None
         self.ref_counts[block_id] = 1

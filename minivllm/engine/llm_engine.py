@@ -3,8 +3,11 @@
     add_request -> Sequence(WAITING)
     step(): Scheduler.schedule -> ModelRunner.execute -> Sampler -> update (append, detokenize,
             check stops, free the blocks of finished sequences) -> RequestOutputs
-            [-> with speculative decoding: verify the drafts, roll back the rejected tokens' K/V,
-             propose the next drafts]
+
+Features join the step through two seams (seams.py) and are never named here: admission gates, which
+the scheduler asks before a waiting request starts, and step extensions, which this loop calls around
+each step. Which ones an engine has follows from its config (minivllm/features.py); callers may add
+their own.
 
 What it computes with (`ModelParts`) and its clock are injected: by default the loaded model and
 `time.perf_counter`; the simulator (bench/simulate.py) passes a cost model and a virtual clock, and
@@ -14,39 +17,34 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import logging
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.executor import ModelParts, load_parts
-from minivllm.engine.kv_tier import tier_stats
-from minivllm.engine.policies import POLICIES
 from minivllm.engine.model_inputs import batch_inputs, sampling_rows
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+from minivllm.engine.policies import POLICIES
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler_output import SchedulerOutput
+from minivllm.engine.seams import AdmissionGate, StepExtension
 from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.engine.spec_decode import PROPOSERS
 from minivllm.engine.static_scheduler import StaticBatchScheduler
-from minivllm.engine.structured_output import StructuredOutputManager
-from minivllm.engine.text import cut_at_stop_string, visible_text
-from minivllm.engine.trace import StepObserver, StepRow, StepTracer, run_record
-from minivllm.lora.manager import LoadedAdapter, LoRAManager
-from minivllm.lora.request import LoRARequest
+from minivllm.features import build_features
 from minivllm.model.batch import BatchInputs
 from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.startup import timed
+from minivllm.text import cut_at_stop_string, visible_text
+from minivllm.tracing.trace import StepObserver, StepRow, StepTracer, run_record
 
 PromptType = str | list[int] | dict[str, Any]
-IDLE_WAIT_S = 0.01  # with nothing to run but grammars compiling or KV tier reads, how long a step waits for one
-
-logger = logging.getLogger(__name__)
+E = TypeVar("E", bound=StepExtension)
+IDLE_WAIT_S = 0.01  # with nothing to run but work a waiting request waits for, how long a step waits for it
 
 
 def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer | None, vocab_size: int) -> tuple[str | None, list[int]]:
@@ -75,9 +73,11 @@ def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer | None, vocab_size:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, parts: ModelParts | None = None,
-                 clock: Callable[[], float] = time.perf_counter, detokenize: bool = True, **kwargs: Any) -> None:
+                 clock: Callable[[], float] = time.perf_counter, detokenize: bool = True,
+                 gates: list[AdmissionGate] = (), extensions: list[StepExtension] = (), **kwargs: Any) -> None:
+        """`gates` and `extensions` join those the config's features bring (seams.py)."""
         self.config = config = config or EngineConfig(**kwargs)
-        # False in the engine-core process: its frontend detokenizes and checks stop strings (engine/text.py),
+        # False in the engine-core process: its frontend detokenizes and checks stop strings (minivllm/text.py),
         # and aborts a request that reaches one; outputs then carry token ids and no text.
         self.detokenize = detokenize
         self.device, self.dtype = config.torch_device, config.torch_dtype
@@ -90,25 +90,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks)
 
         static = config.scheduler == "static"
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not static,
-                                          parts.kv_tier)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not static)
         policy = POLICIES[config.scheduling_policy]()
         self.scheduler = (StaticBatchScheduler(config, self.block_manager, policy, clock=clock,
                                                max_model_len=self.max_model_len)
                           if static else Scheduler(config, self.block_manager, policy, clock=clock))
         self.requests: dict[str, Sequence] = {}  # unfinished requests
-        self.lora_manager = (LoRAManager(self.runner.model, config.max_loras, config.max_cpu_loras,
-                                         config.max_lora_rank) if config.enable_lora else None)
-        spec = config.speculative
-        self.proposer = PROPOSERS[spec.method](spec) if spec else None
-        if spec and not getattr(self.runner, "batch_invariant", False):
-            logger.warning("speculative decoding is not exact here: the torch kernels (no compiler, CUDA or "
-                           "MINIVLLM_NO_KERNELS) are not batch-invariant, so a verified chunk's logits may differ "
-                           "by rounding from a plain decode's and a greedy output from the non-speculative one")
-        self._structured_output: StructuredOutputManager | None = None  # made on first use
-        self._structured_output_lock = threading.Lock()
         self._aborted: list[Sequence] = []  # finished by abort, reported by the next step
-        self._compiling: list[Sequence] = []  # requests whose grammar may still be compiling
         self._ids = itertools.count()
         self.start_time = clock()
         self.tracer = StepTracer(config.trace_file, self.start_time, run_record(config)) if config.trace_file else None
@@ -117,12 +105,14 @@ class LLMEngine:
         # and the runner splits "model" into its own input preparation and the forward pass
         # (runner.prepare_time).
         self.step_time = {"schedule": 0.0, "prepare": 0.0, "model": 0.0, "sample": 0.0, "update": 0.0}
+        # Counters; a feature may add its own at construction (they are reset with these after warm_up).
         self.stats = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "padding_tokens": 0,
-                      "finished_requests": 0,
-                      # vLLM's: drafts verified, their tokens, and of those the ones accepted
-                      "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
-                      "spec_decode_num_accepted_tokens": 0}
-        self._counts_traced = (0,) * 5  # _spec_and_tier_counts() at the last step told to the observers
+                      "finished_requests": 0}
+        features = build_features(self, parts)
+        self.gates: list[AdmissionGate] = [*features.gates, *gates]
+        self.extensions: list[StepExtension] = [*features.extensions, *extensions]
+        self.scheduler.gates = self.gates  # the same list: a gate added later is asked too
+        self._counts_traced: dict[str, int] = {}  # the extensions' trace_counts() at the last traced step
 
     def _max_model_len(self, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
@@ -135,11 +125,10 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, tenant: str = "default",
-                    lora_request: LoRARequest | None = None) -> str:
-        """Queue a request (under a LoRA adapter if `lora_request` names one: loaded now if need be);
-        raises ValueError (naming the problem) for an invalid one."""
+                    **options: Any) -> str:
+        """Queue a request; raises ValueError (naming the problem) for an invalid one. `options` are for
+        the step extensions (each takes its own, see features.py); one nobody takes is an error."""
         params = params or SamplingParams()
-        adapter = self._lora_adapter(lora_request) if lora_request is not None else None
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -170,48 +159,28 @@ class LLMEngine:
         if self.tokenizer and self.detokenize:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         seq.bad_words_token_ids = self._bad_words(params.bad_words or [])
-        if adapter is not None:
-            seq.lora, seq.cache_salt = adapter, adapter.cache_salt
-        if params.structured_outputs is not None:
-            seq.grammar_future = self.structured_output.compile(params.structured_outputs)
-            self._compiling.append(seq)
+        options = {k: v for k, v in options.items() if v is not None}
+        for extension in self.extensions:
+            extension.on_add(seq, options)
+        if options:
+            raise ValueError(f"unknown request options: {', '.join(sorted(options))}")
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self._notify(seq)
         return request_id
 
-    # -- LoRA adapters (lora/) ----------------------------------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load and register an adapter; raises ValueError naming what is wrong with it (a rank above
-        max_lora_rank, modules the model lacks, shapes that do not fit, an unreadable file)."""
-        self._lora_adapter(lora_request)
-        return True
+    def extension(self, kind: type[E]) -> E | None:
+        """The step extension of class `kind`, if this engine has one."""
+        return next((e for e in self.extensions if isinstance(e, kind)), None)
 
-    def add_loras(self, lora_requests: list[LoRARequest]) -> None:
-        """The adapters a server starts with (--lora-modules); a bad one stops the start, named."""
-        for lora_request in lora_requests:
-            self.add_lora(lora_request)
-
-    def remove_lora(self, lora_name: str) -> bool:
-        """Unregister an adapter (requests running under it finish under it); False if unknown."""
-        return self.lora_manager is not None and self.lora_manager.remove(lora_name)
-
-    def list_loras(self) -> list[LoRARequest]:
-        return self.lora_manager.list() if self.lora_manager is not None else []
-
-    def _lora_adapter(self, lora_request: LoRARequest) -> LoadedAdapter:
-        if self.lora_manager is None:
-            raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
-        return self.lora_manager.add(lora_request)
-
-    @property
-    def structured_output(self) -> StructuredOutputManager:
-        """The grammar compiler, made on first use (its vocabulary index takes a fraction of a second)."""
-        with self._structured_output_lock:
-            if self._structured_output is None:
-                self._structured_output = StructuredOutputManager(
-                    self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids)
-            return self._structured_output
+    def utility(self, method: str, *args: Any) -> Any:
+        """Call `method` of the engine, else of the first extension that has it (the frontends' remote
+        calls reach the features' methods this way)."""
+        if not method.startswith("_"):
+            for target in (self, *self.extensions):
+                if callable(function := getattr(target, method, None)):
+                    return function(*args)
+        raise AttributeError(f"neither the engine nor its extensions have a method {method!r}")
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each bad word as tokens, alone and after a space (as vLLM does: BPE spells them differently)."""
@@ -241,28 +210,13 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        seq.grammar = seq.grammar_future = None  # release the parse state
-        if self.proposer:
-            self.proposer.on_finish(seq)
-
-    def _start_grammars(self) -> None:
-        """Give each request whose grammar has compiled its parse state, so that it can be scheduled;
-        a grammar that failed (the server and LLM check first, so rarely) aborts its request."""
-        self._compiling = [s for s in self._compiling if s.waiting_for_grammar]  # aborted ones drop out
-        for seq in [s for s in self._compiling if s.grammar_future.done()]:
-            self._compiling.remove(seq)
-            try:
-                seq.grammar = self.structured_output.grammar(seq.grammar_future.result())
-            except ValueError:
-                logger.exception("request %s: grammar failed to compile", seq.request_id)
-                self.abort_request(seq.request_id)
+        for extension in self.extensions:
+            extension.on_finish(seq)
 
     def _wait_for_work(self) -> None:
-        """Nothing could run: sleep until a grammar is compiled or a KV tier read is done (briefly, so new
+        """Nothing could run: sleep until work a waiting request waits for is done (briefly, so that new
         commands are not held up)."""
-        pending = [s.grammar_future for s in self._compiling if s.waiting_for_grammar]
-        if self.block_manager.tier is not None:
-            pending += self.block_manager.tier.pending_reads()
+        pending = [f for extension in self.extensions for f in extension.pending()]
         if pending:
             concurrent.futures.wait(pending, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
@@ -272,8 +226,8 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_start = self.clock()
-        if self._compiling:
-            self._start_grammars()
+        for extension in self.extensions:
+            extension.before_schedule()
         outputs = [self._make_output(s) for s in self._aborted]
         self._aborted = []
         sched = self.scheduler.schedule()
@@ -288,7 +242,11 @@ class LLMEngine:
         t_prepared = self.clock()
         logits = self.runner.execute(batch)
         t_forward = self.clock()
-        rows = sampling_rows(sampling, drafts, self.model_config.vocab_size)
+        rows, own_rows = sampling_rows(sampling, drafts)
+        if self.extensions:
+            row_of = list(zip(sampling, own_rows))
+            for extension in self.extensions:
+                extension.prepare_sampling(row_of)
         if logits is not None and logits.shape[0] > len(rows):  # rows past the sampling ones: prompt_logprobs
             self._score_prompts(sched, batch, logits[len(rows):])
             logits = logits[:len(rows)]
@@ -296,7 +254,7 @@ class LLMEngine:
         t_sampled = self.clock()
         new_tokens, rejected = [], None
         if drafts:
-            new_tokens, rejected = self._verify(sampling, drafts, sampled.token_ids, sampled.logprobs)
+            new_tokens, rejected = next(v for e in self.extensions if (v := e.verify(sampling, drafts, sampled)))
         elif sampling:
             new_tokens = [(s, [t], [lp]) for s, t, lp in zip(sampling, sampled.token_ids, sampled.logprobs)]
         self.scheduler.on_step_done(sched, rejected)
@@ -306,9 +264,8 @@ class LLMEngine:
                 self.stats["generation_tokens"] += 1
                 if seq.is_finished:  # at EOS, a stop token or string, or a length limit: the rest is dropped
                     break
-        if self.proposer:
-            self._propose(sampling)
-            self.scheduler.step_cost.observe(sched.num_scheduled_tokens, self.clock() - t_scheduled)
+        for extension in self.extensions:
+            extension.after_step(sched, sampling, t_scheduled)
         finished = [s for s in sampling if s.status is SequenceStatus.FINISHED]
         self._count(sched, t_start, finished)
         final_only = RequestOutputKind.FINAL_ONLY
@@ -321,42 +278,6 @@ class LLMEngine:
         times["sample"] += t_sampled - t_forward
         times["update"] += self.clock() - t_sampled
         return outputs
-
-    # -- speculative decoding ---------------------------------------------------------------------------
-    def _verify(self, sampling: list[Sequence], drafts: dict[str, list[int]], tokens: list[int],
-                logprobs: list) -> tuple[list[tuple[Sequence, list[int], list]], dict[str, int]]:
-        """Per sequence, the tokens it gets: the sampled ones up to and including the first that differs
-        from its draft (a draft token is accepted iff it is what the target sampled there, so the
-        tokens are those plain decoding would give); and per request the draft tokens rejected."""
-        new_tokens, rejected, row, stats = [], {}, 0, self.stats
-        for seq in sampling:
-            draft = drafts.get(seq.request_id, [])
-            sampled = tokens[row:row + len(draft) + 1]
-            accepted = 0
-            while accepted < len(draft) and sampled[accepted] == draft[accepted]:
-                accepted += 1
-            new_tokens.append((seq, sampled[:accepted + 1], logprobs[row:row + accepted + 1]))
-            row += len(draft) + 1
-            if draft:
-                rejected[seq.request_id] = len(draft) - accepted
-                seq.num_spec_verified += min(accepted + 1, len(draft))
-                seq.num_spec_accepted += accepted
-                stats["spec_decode_num_drafts"] += 1
-                stats["spec_decode_num_draft_tokens"] += len(draft)
-                stats["spec_decode_num_accepted_tokens"] += accepted
-        return new_tokens, rejected
-
-    def _propose(self, sampled: list[Sequence]) -> None:
-        """Draft the next tokens of each sequence that just sampled, as long as the scheduler says pays,
-        and never past max_tokens or max_model_len (every draft token accepted, plus the bonus one)."""
-        for seq in sampled:
-            k = 0 if seq.is_finished else self.scheduler.draft_length(seq)
-            if k:
-                room = self.max_model_len - seq.num_tokens
-                if seq.params.max_tokens is not None:
-                    room = min(room, seq.params.max_tokens - seq.num_output_tokens)
-                k = min(k, room - 1)
-            seq.spec_token_ids = self.proposer.propose(seq, k) if k > 0 else []
 
     @staticmethod
     def _score_prompts(sched: SchedulerOutput, batch: BatchInputs, logits: torch.Tensor) -> None:
@@ -382,22 +303,15 @@ class LLMEngine:
         stats["prompt_tokens"] += scheduled - decode
         if observers := self._observers:
             bm, t0 = self.block_manager, self.start_time
-            counts = self._spec_and_tier_counts()
+            counts = {k: v for extension in self.extensions for k, v in extension.trace_counts().items()}
             row = StepRow(stats["num_steps"], t_start - t0, self.clock() - t0,
                           scheduled + sched.num_padding_tokens, scheduled - decode,
                           decode, sched.num_padding_tokens, self.scheduler.num_running,
                           self.scheduler.num_waiting, bm.num_used_blocks, bm.num_blocks, len(sched.preempted),
-                          len(finished), *(now - before for now, before in zip(counts, self._counts_traced)))
+                          len(finished), **{k: v - self._counts_traced.get(k, 0) for k, v in counts.items()})
             self._counts_traced = counts
             for observer in observers:
                 observer.record(row, sched, finished)
-
-    def _spec_and_tier_counts(self) -> tuple[int, ...]:
-        """The counters behind StepRow's last five columns, so far."""
-        stats, tier = self.stats, self.block_manager.tier
-        return (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
-                stats["spec_decode_num_accepted_tokens"], tier.stats.kv_offload_ram_hits if tier else 0,
-                tier.stats.kv_offload_disk_hits if tier else 0)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         seq.append_token(token)
@@ -409,8 +323,8 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
-        if seq.grammar is not None and not seq.grammar.accept(token) and token not in seq.eos_token_ids:
-            logger.warning("request %s: token %d is outside its grammar", seq.request_id, token)
+        for extension in self.extensions:
+            extension.on_token(seq, token)
         delta = seq.detokenizer.add(token) if seq.detokenizer else ""
         reason = self._stop_reason(seq, token, delta)
         if reason:
@@ -450,7 +364,7 @@ class LLMEngine:
             self.add_request("warm-up", [self.model_config.bos_token_id or 0], SamplingParams(max_tokens=1))
             while self.has_unfinished_requests():
                 self.step()
-            self.stats = dict.fromkeys(self.stats, 0)
+            self.stats.update(dict.fromkeys(self.stats, 0))  # in place: features count into it too
             self.reset_step_time()
             self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
 
@@ -460,16 +374,13 @@ class LLMEngine:
             self.tracer.flush()
 
     def close(self) -> None:
-        """Write out the trace, if one is kept, and the prefix blocks still in the pool to the KV tier's
-        directory, if there is one; stop the grammar compiler and tensor-parallel workers."""
-        if (tier := self.block_manager.tier) is not None:
-            bm = self.block_manager
-            tier.persist((h, bm.block_tokens[b], b) for h, b in bm.cached.items())
+        """Close the extensions (each keeps or stops what it must), stop the tensor-parallel workers and
+        write out the trace, if one is kept."""
+        for extension in self.extensions:
+            extension.close()
         if self._release is not None:
             self._release()
             self._release = None
-        if self._structured_output is not None:
-            self._structured_output.close()
         if self.tracer:
             self.tracer.close()
             self.tracer = None
@@ -495,17 +406,7 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_cache_usage": bm.usage,
                 "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
-                **tier_stats(bm.tier),
-                **self.spec_decode_stats()}
-
-    def spec_decode_stats(self, since: dict[str, Any] | None = None) -> dict[str, float | None]:
-        """Acceptance rate (accepted of the draft tokens verified) and mean accepted length (tokens a
-        verify step yields: the accepted ones plus the one sampled after them), as vLLM reports them;
-        over the steps after the `stats` snapshot `since`, if given."""
-        drafts, tokens, accepted = (self.stats[k] - (since or {}).get(k, 0) for k in (
-            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
-        return {"spec_acceptance_rate": accepted / tokens if tokens else None,
-                "spec_mean_accepted_length": 1 + accepted / drafts if drafts else None}
+                **{k: v for extension in self.extensions for k, v in extension.stats().items()}}
 
     @property
     def device_name(self) -> str:

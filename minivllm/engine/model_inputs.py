@@ -2,9 +2,9 @@
 runner's BatchInputs, and the sequences that sample as the sampler's rows."""
 from __future__ import annotations
 
-from minivllm.engine.scheduler import SchedulerOutput, prompt_logprob_positions
+from minivllm.engine.scheduler import prompt_logprob_positions
+from minivllm.engine.scheduler_output import SchedulerOutput
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.structured_output import allowed_tokens
 from minivllm.model.batch import NO_POSITIONS, BatchInputs, SamplingRow, SeqSpan
 
 
@@ -25,22 +25,19 @@ def batch_inputs(sched: SchedulerOutput) -> BatchInputs:
     return BatchInputs(spans, sched.num_padding_tokens)
 
 
-def sampling_rows(sampling: list[Sequence], drafts: dict[str, list[int]], vocab_size: int) -> list[SamplingRow]:
+def sampling_rows(sampling: list[Sequence],
+                  drafts: dict[str, list[int]]) -> tuple[list[SamplingRow], list[SamplingRow]]:
     """The sampler's rows, as the runner's logits come: per sequence its own, then one per draft token
     it verifies (with the draft tokens before that row taken as output, so that penalties count them,
-    min_tokens and bad_words see them, and a seeded request draws the noise of the row's position)."""
-    rows, grammar_rows, grammars = [], [], []
+    min_tokens and bad_words see them, and a seeded request draws the noise of the row's position);
+    and each sequence's own row, in `sampling`'s order."""
+    rows, own = [], []
     for seq in sampling:
         row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.eos_token_ids,
                           seq.bad_words_token_ids)
         rows.append(row)
-        if seq.grammar is not None:
-            grammar_rows.append(row)
-            grammars.append(seq.grammar)
-        if draft := drafts.get(seq.request_id):  # a structured-output request drafts none (Scheduler.draft_length)
+        own.append(row)
+        if draft := drafts.get(seq.request_id):
             rows += [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + draft[:j],
                                  seq.eos_token_ids, seq.bad_words_token_ids) for j in range(1, len(draft) + 1)]
-    if grammars:
-        for row, mask in zip(grammar_rows, allowed_tokens(grammars, vocab_size)):
-            row.grammar_mask = mask
-    return rows
+    return rows, own

@@ -4,52 +4,23 @@ Budgets: tokens per step (`max_num_batched_tokens`), running sequences (`max_num
 KV-cache blocks. One rule covers prefill and decode: a scheduled sequence gets `num_new_tokens` =
 what it still lacks (`num_tokens - num_computed_tokens`), cut to the budget left. A decode is the
 case where that is 1. The policy (policies.py) decides the order of the waiting queue and the
-preemption victims; this file decides how budgets are spent, draft tokens included: with speculative
-decoding a decode may carry the draft proposed for it (spec_decode.py), verified in the same step as
-a chunk of 1 + k tokens, when the budget and the blocks allow and when drafting pays at this batch
-size and the request's acceptance rate (`draft_length`). Drafts never preempt anyone.
+preemption victims; this file decides how budgets are spent, draft tokens included: a decode may
+carry the draft tokens a step extension proposed for it (`seq.spec_token_ids`), verified in the same
+step as a chunk of 1 + k tokens, when the budget and the blocks allow. Drafts never preempt anyone.
+Before a waiting request starts, every admission gate (seams.py) must admit it; one held back lets
+the others go ahead.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.policies import SchedulingPolicy
+from minivllm.engine.scheduler_output import SchedulerOutput
+from minivllm.engine.seams import AdmissionGate
 from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.engine.spec_decode import StepCostModel, draft_length
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, num_new_tokens)
-    # Whether each scheduled entry is a decode, fixed when scheduled (computed counts move on later).
-    decode_flags: list[bool] = field(default_factory=list)
-    # Tokens computed for nothing: static batching's prompt padding and its finished members' slots.
-    num_padding_tokens: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
-    # request_id -> the draft tokens its decode verifies this step (vLLM v1's name); they are the last
-    # of the sequence's num_new_tokens, after its one uncomputed token.
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(map(len, self.scheduled_spec_decode_tokens.values()))
-
-    @property
-    def num_decode_tokens(self) -> int:
-        """Decodes and the draft tokens they verify."""
-        return sum(self.decode_flags) + self.num_draft_tokens
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_scheduled_tokens - self.num_decode_tokens
 
 
 def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
@@ -76,11 +47,12 @@ class SchedulerBase:
     """Queues, admission, preemption and finishing: what every scheduler shares."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: SchedulingPolicy,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, gates: Iterable[AdmissionGate] = ()) -> None:
         self.config = config
         self.block_manager = block_manager
         self.policy = policy
         self.clock = clock  # tests drive time by hand
+        self.gates = list(gates)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -95,6 +67,10 @@ class SchedulerBase:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def admits(self, seq: Sequence) -> bool:
+        """Whether every admission gate lets waiting `seq` start now."""
+        return all(gate.admits(seq, self.running) for gate in self.gates)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -173,18 +149,6 @@ class Scheduler(SchedulerBase):
         self.reserve_blocks = int(self.config.watermark * self.block_manager.num_blocks)
         # Without chunking, a prompt that found no room after the decodes gets the next step first.
         self._prefill_next = False
-        spec = self.config.speculative
-        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.step_cost = StepCostModel()  # what a step costs; the engine tells it each step's time
-
-    def draft_length(self, seq: Sequence) -> int:
-        """How many tokens to draft for `seq`'s next step (0: none), before the budget's cut: what pays
-        at the current batch size and the request's acceptance rate (spec_decode.draft_length).
-        A structured-output request drafts none (its grammar would have to be advanced through each
-        draft prefix and rolled back)."""
-        if not self.num_speculative_tokens or seq.grammar is not None:
-            return 0
-        return draft_length(seq.spec_acceptance, self.num_speculative_tokens, len(self.running), self.step_cost.knee)
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
@@ -259,17 +223,16 @@ class Scheduler(SchedulerBase):
         for seq in list(self.waiting):
             if self.budget == 0:
                 return
-            if seq.waiting_for_grammar:  # its grammar is compiling: the others go ahead (as in vLLM v1)
-                continue
-            if seq.lora is not None and not self._lora_fits(seq):  # --max-loras: the others go ahead
+            if self.gates and not self.admits(seq):  # held back: the others go ahead (as in vLLM v1)
                 continue
             hits = self.block_manager.match_prefix(seq)
-            if self.block_manager.tier is not None and self._room_for(seq, seq.num_tokens - len(hits) * bs, hits):
-                # The blocks that follow, copied back from the KV tier (a fraction of what computing
-                # them costs); only for a prompt that fits, so that every load is used (kv_tier.py).
-                if self.block_manager.tier_reading(seq, hits):
+            store = self.block_manager.block_store
+            if store is not None and self._room_for(seq, seq.num_tokens - len(hits) * bs, hits):
+                # The blocks that follow, copied back from the block store (a fraction of what computing
+                # them costs); only for a prompt that fits, so that every load is used.
+                if self.block_manager.reading_from_store(seq, hits):
                     continue  # its blocks are being read from disk: the others go ahead meanwhile
-                hits = self.block_manager.load_from_tier(seq, hits)
+                hits = self.block_manager.load_from_store(seq, hits)
             num_uncomputed = seq.num_tokens - len(hits) * bs
             n = self._chunk(seq, num_uncomputed)
             if n == 0 and not self.config.enable_chunked_prefill:
@@ -285,12 +248,6 @@ class Scheduler(SchedulerBase):
             self.num_partial += n < num_uncomputed
             self.budget -= n
             self._admit(seq, n, hits, output)
-
-    def _lora_fits(self, seq: Sequence) -> bool:
-        """Whether `seq`'s adapter may join the running ones: at most max_loras distinct adapters run at
-        once, so that no step holds more (every running sequence may be scheduled in one step)."""
-        running = {s.lora for s in self.running if s.lora is not None}
-        return seq.lora in running or len(running) < self.config.max_loras
 
     def _room_for(self, seq: Sequence, num_uncomputed: int, hits: list[int]) -> bool:
         """Admit only with blocks for the whole rest of the prompt plus the watermark, even when

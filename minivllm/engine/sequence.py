@@ -41,8 +41,8 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float = 0.0
     detokenizer: Any = None  # the engine's IncrementalDetokenizer
-    # Structured outputs: the grammar compiling (a Future) until the engine turns it into `grammar`
-    # (structured_output.Grammar), the request's parse state. Not scheduled while it compiles.
+    # Structured outputs: the grammar compiling (a Future) until structured_output/extension.py turns it
+    # into `grammar` (structured_output/grammar.Grammar), the request's parse state.
     grammar_future: Any = None
     grammar: Any = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
@@ -51,7 +51,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_verified: int = 0
     num_spec_accepted: int = 0
-    lora: Any = None  # the LoRA adapter it runs under (lora/manager.LoadedAdapter), or None for the base
+    lora: Any = None  # the LoRA adapter it runs under (lora/layers.LoadedAdapter), or None for the base
     cache_salt: bytes | None = None  # folded into its first prefix-cache block hash (the adapter's)
 
     def __post_init__(self) -> None:
@@ -81,10 +81,6 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True while more than the last token lacks K/V (the prompt, or work dropped by preemption)."""
         return self.num_uncomputed_tokens > 1
-
-    @property
-    def waiting_for_grammar(self) -> bool:
-        return self.grammar_future is not None and self.grammar is None
 
     @property
     def is_finished(self) -> bool:

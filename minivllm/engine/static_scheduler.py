@@ -8,7 +8,8 @@ runner charges them the GEMM cost, which is most of the cost.
 """
 from __future__ import annotations
 
-from minivllm.engine.scheduler import SchedulerBase, SchedulerOutput
+from minivllm.engine.scheduler import SchedulerBase
+from minivllm.engine.scheduler_output import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 
 
@@ -33,8 +34,11 @@ class StaticBatchScheduler(SchedulerBase):
     def _start_batch(self, output: SchedulerOutput) -> None:
         self.batch = []
         self.waiting.sort(key=lambda s: s.metrics.arrival_time)
-        ready = [s for s in self.waiting if not s.waiting_for_grammar]
-        for seq in ready[: self.config.static_batch_size]:
+        for seq in list(self.waiting):
+            if len(self.batch) == self.config.static_batch_size:
+                break
+            if not self.admits(seq):  # held back by a gate: the others go ahead
+                continue
             # Reserve the whole sequence up front, as a static batch does: nobody is preempted.
             full_len = min(seq.num_prompt_tokens + (seq.params.max_tokens or self.max_model_len),
                            self.max_model_len)

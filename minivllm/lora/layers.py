@@ -11,14 +11,32 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from minivllm.lora.request import LoRARequest
 from minivllm.model.kernels import LORA_CHUNK, lora_kernel
 
-if TYPE_CHECKING:
-    from minivllm.lora.manager import LoadedAdapter
+
+@dataclass
+class TargetWeights:
+    at: torch.Tensor  # [in, padded rank], the model's dtype: the projections' A^T side by side
+    bt: torch.Tensor  # [padded rank, n_pad], the model's dtype: their B^T (scaled), block-diagonal
+    bands: torch.Tensor  # int64 [chunks of LORA_CHUNK columns, 2]: the rows of bt not zero there, [lo, hi)
+
+    def address(self) -> list[int]:
+        """What csrc/lora.c reads of it per segment: AT's address, BT's, the bands', the padded rank."""
+        return [self.at.data_ptr(), self.bt.data_ptr(), self.bands.data_ptr(), self.at.shape[1]]
+
+
+@dataclass(eq=False)
+class LoadedAdapter:
+    """An adapter in csrc/lora.c's layout: per target a TargetWeights, or None where it leaves the layer
+    alone; and per target the addresses the kernel reads."""
+    request: LoRARequest
+    weights: list[TargetWeights | None]
+    addresses: torch.Tensor  # int64 [targets, 4]: AT's address, BT's, bands', the padded rank (zeros: none)
+    cache_salt: bytes  # folded into the first prefix-cache block hash of its requests
 
 
 @dataclass

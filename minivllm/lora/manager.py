@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.lora.adapter import PROJECTIONS, AdapterError, AdapterWeights, read_adapter
-from minivllm.lora.layers import LoRAContext, LoRALinear, padded_columns
+from minivllm.lora.layers import LoadedAdapter, LoRAContext, LoRALinear, TargetWeights, padded_columns
 from minivllm.lora.request import LoRARequest
 from minivllm.model.kernels import LORA_CHUNK, LORA_LANES, MAX_LORA_RANK
 
@@ -41,17 +41,6 @@ def model_targets(model) -> list[Target]:
     return targets
 
 
-@dataclass
-class TargetWeights:
-    at: torch.Tensor  # [in, padded rank], the model's dtype: the projections' A^T side by side
-    bt: torch.Tensor  # [padded rank, n_pad], the model's dtype: their B^T (scaled), block-diagonal
-    bands: torch.Tensor  # int64 [chunks of LORA_CHUNK columns, 2]: the rows of bt not zero there, [lo, hi)
-
-    def address(self) -> list[int]:
-        """What csrc/lora.c reads of it per segment: AT's address, BT's, the bands', the padded rank."""
-        return [self.at.data_ptr(), self.bt.data_ptr(), self.bands.data_ptr(), self.at.shape[1]]
-
-
 def target_layout(weights: AdapterWeights, target: Target, n_pad: int, device: torch.device,
                   dtype: torch.dtype) -> TargetWeights | None:
     """One target's weights: the projections' A^T side by side, B^T block-diagonal; rank padded to
@@ -76,16 +65,6 @@ def target_layout(weights: AdapterWeights, target: Target, n_pad: int, device: t
         chunks[:, 1] = col + r
         col += r
     return TargetWeights(at.to(device, dtype), bt.to(device, dtype), bands)
-
-
-@dataclass(eq=False)
-class LoadedAdapter:
-    """An adapter in csrc/lora.c's layout: per target a TargetWeights, or None where it leaves the layer
-    alone; and per target the addresses the kernel reads."""
-    request: LoRARequest
-    weights: list[TargetWeights | None]
-    addresses: torch.Tensor  # int64 [targets, 4]: AT's address, BT's, bands', the padded rank (zeros: none)
-    cache_salt: bytes  # folded into the first prefix-cache block hash of its requests
 
 
 class LoRAManager:

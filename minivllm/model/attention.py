@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from minivllm.model.cuda_kernels import TritonAttention
 from minivllm.model.kernels import LayerOps, paged_attention_native
-from minivllm.model.kv_cache import KVCache, dequantize, quantize, round_trip
+from minivllm.model.kv_cache import KVCache, dequantize, round_trip, write_kv
 
 
 @dataclass
@@ -131,17 +131,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     scores = (q.float() @ k.transpose(-1, -2)) * scale
     scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ v).to(q.dtype)
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, cache: KVCache) -> None:
-    """The torch twin of csrc/layer_ops.c write_kv: token i's K/V ([T, kv_heads, head_dim]) into slot
-    (blocks[i], offsets[i]), quantized with its own scales when the format says so."""
-    if cache.fmt.quantized:
-        (k, k_scale), (v, v_scale) = quantize(k, cache.fmt), quantize(v, cache.fmt)
-        cache.k_scale[blocks, :, offsets] = k_scale
-        cache.v_scale[blocks, :, offsets] = v_scale
-    cache.k[blocks, :, :, offsets] = k
-    cache.v[blocks, :, offsets] = v
 
 
 def _gather(cache: KVCache, block_tables: torch.Tensor, dtype: torch.dtype,

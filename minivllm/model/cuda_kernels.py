@@ -15,10 +15,10 @@ from types import ModuleType
 
 import torch
 
-from minivllm.model.kv_cache import KVCache, kv_format
+from minivllm.model.kv_cache import KVCache, kv_format, write_kv
 
 CUDA_DTYPES = (torch.bfloat16, torch.float16)
-FAMILIES = ("GEMM", "layer ops", "paged attention")  # what the Triton kernels cover; the rest is torch
+KERNEL_GROUPS = ("GEMM", "layer ops", "paged attention")  # what the Triton kernels cover; the rest is torch
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,8 +65,6 @@ class TritonLayerOps:
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
                  cache: KVCache) -> None:
         if cache.fmt.quantized:  # the scales' twin; the Triton attention reads the model's dtype only
-            from minivllm.model.attention import write_kv  # attention.py imports this module
-
             n = blocks.shape[0]
             write_kv(k[:n], v[:n], blocks, offsets, cache)
             return
@@ -100,7 +98,7 @@ def attention_kernel(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> Triton
 
 
 def report(dtype: torch.dtype) -> str:
-    native = FAMILIES if available(dtype) else ()
+    native = KERNEL_GROUPS if available(dtype) else ()
     return (f"minivllm: kernels for cuda/{str(dtype).removeprefix('torch.')}: "
             f"{', '.join(native) or 'nothing'} (Triton, batch-invariant); torch for: "
-            f"{', '.join(f for f in ('quantized GEMM', 'LoRA', *FAMILIES) if f not in native)}")
+            f"{', '.join(f for f in ('quantized GEMM', 'LoRA', *KERNEL_GROUPS) if f not in native)}")

@@ -138,3 +138,14 @@ def round_trip(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
         return x
     q, scale = quantize(x, fmt)
     return dequantize(q, scale[..., None], fmt, x.dtype)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, cache: KVCache) -> None:
+    """The torch twin of csrc/layer_ops.c write_kv: token i's K/V ([T, kv_heads, head_dim]) into slot
+    (blocks[i], offsets[i]), quantized with its own scales when the format says so."""
+    if cache.fmt.quantized:
+        (k, k_scale), (v, v_scale) = quantize(k, cache.fmt), quantize(v, cache.fmt)
+        cache.k_scale[blocks, :, offsets] = k_scale
+        cache.v_scale[blocks, :, offsets] = v_scale
+    cache.k[blocks, :, :, offsets] = k
+    cache.v[blocks, :, offsets] = v

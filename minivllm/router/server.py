@@ -36,7 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from minivllm.router.policies import ROUTING_POLICIES, NoReplicaError, Router
-from minivllm.server.api import add_error_handlers, listening_url, read_body
+from minivllm.server.api import add_error_handlers, read_body
+from minivllm.server.http_server import listening_url
 from minivllm.server.protocol import APIError
 
 logger = logging.getLogger(__name__)

@@ -35,14 +35,15 @@ from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from minivllm.engine.async_engine import EngineClient, EngineDeadError, EngineRequest, QueueFullError, RequestStream
 from minivllm.engine.llm_engine import PromptType
+from minivllm.frontend.async_engine import EngineClient, EngineDeadError, EngineRequest, QueueFullError, RequestStream
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.server.dashboard import Dashboard, add_routes
 from minivllm.server.framing import (ChatFormatter, ChoiceTracker, CompletionFormatter, Formatter, stream_events,
                                      whole_choice)
+from minivllm.server.http_server import HTTPServer
 from minivllm.server.lora_routes import LoRARoutes, add_lora_routes
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -50,7 +51,6 @@ from minivllm.server.protocol import (APIError, ChatCompletionRequest, ChatMessa
                                       ToolDefinition, engine_error, ignored_fields, parse_request)
 from minivllm.server.reasoning import REASONING_PARSERS
 from minivllm.server.tools import TOOL_CALL_PARSERS, ToolCallOutput
-from minivllm.startup import phases_text, process_age
 
 logger = logging.getLogger(__name__)
 
@@ -376,38 +376,6 @@ def add_error_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal server error: {e!r}", None, "internal_error").response()
 
 
-def listening_url(server: uvicorn.Server) -> str:
-    """The address a started server listens on (the real port, with --port 0)."""
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, model_name: str, startup_time: dict[str, float]) -> None:
-        super().__init__(config)
-        self.model_name = model_name
-        self.startup_time = startup_time  # the engine's start-up phases, reported once ready
-
-    async def startup(self, sockets: list | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:  # the port is bound: now the address (and the real port, with --port 0) is known
-            print(f"minivllm: serving {self.model_name} on {listening_url(self)}", flush=True)
-            self._print_ready()
-
-    def _print_ready(self) -> None:
-        phases = dict(self.startup_time)
-        total = process_age()
-        if total is not None and "import" in phases:  # what is left is the server's own start
-            phases["server"] = max(0.0, total - sum(phases.values()))
-        else:
-            total = sum(phases.values())
-        print(f"minivllm: ready in {total:.2f} s ({phases_text(phases)})", flush=True)
-
-    async def shutdown(self, sockets: list | None = None) -> None:
-        self.config.app.state.dashboard.close()  # its event streams never end by themselves
-        await super().shutdown(sockets)
-
-
 def serve(engine: EngineClient, options: ServerOptions, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve until SIGTERM or Ctrl-C, then stop accepting, let in-flight requests finish (aborting
     those still running after GRACEFUL_SHUTDOWN_S), and return."""
@@ -415,8 +383,8 @@ def serve(engine: EngineClient, options: ServerOptions, host: str = "127.0.0.1",
     print("minivllm: batch-invariant kernels: " + (
         "yes (the same request gets the same logits whatever shares its steps)" if engine.batch_invariant
         else "no (torch kernels: a near-tie may break differently as the batch changes)"), flush=True)
-    server = _Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
-                     options.served_model_name, engine.startup_time)
+    server = HTTPServer(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+                        options.served_model_name, engine.startup_time)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; by then all is
     # done, so let it pass and exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

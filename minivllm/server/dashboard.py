@@ -7,7 +7,7 @@ trace files (`minivllm view`).
     GET  /dashboard/traces       replay: every record of every trace
     POST /dashboard/login        with --api-key: the key, once, from the page's form; answers with a cookie
 
-The records are those of engine/trace.py: a "run" record (the budgets), one "step" record per engine
+The records are those of tracing/trace.py: a "run" record (the budgets), one "step" record per engine
 step (the step trace's CSV row) and one "request" record per state change of a request.
 
 With --api-key, every dashboard route needs the key like /v1 does. A browser's EventSource cannot
@@ -32,8 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.sse import KEEPALIVE_COMMENT, EventSourceResponse, format_sse_event
 
-from minivllm.engine.live import LiveFeed
-from minivllm.engine.trace import COLUMNS, REQUIRED_COLUMNS
+from minivllm.tracing.live import LiveFeed
+from minivllm.tracing.trace import COLUMNS, REQUIRED_COLUMNS
 
 POLL_S = 0.1  # how often a stream looks for new records: the page redraws at about this rate
 PING_S = 2.0  # an idle stream says it is alive (to proxies, and to readers waiting for a condition)
@@ -190,6 +190,6 @@ def build_view_app(paths: list[str]) -> FastAPI:
 def view(paths: list[str], host: str = "127.0.0.1", port: int = 8000) -> None:
     import uvicorn
 
-    from minivllm.server.api import _Server
+    from minivllm.server.http_server import HTTPServer
 
-    _Server(uvicorn.Config(build_view_app(paths), host=host, port=port), "a replay of " + ", ".join(paths)).run()
+    HTTPServer(uvicorn.Config(build_view_app(paths), host=host, port=port), "a replay of " + ", ".join(paths)).run()

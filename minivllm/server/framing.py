@@ -15,7 +15,7 @@ from typing import Any, Literal
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel, Field
 
-from minivllm.engine.async_engine import EngineDeadError, RequestStream
+from minivllm.frontend.async_engine import EngineDeadError, RequestStream
 from minivllm.outputs import RequestMetrics, RequestOutput
 from minivllm.server.protocol import APIError
 from minivllm.server.reasoning import ReasoningStream, split_reasoning

@@ -1,4 +1,4 @@
-// The minivllm dashboard: draws the records of engine/trace.py (run, step, request), live from
+// The minivllm dashboard: draws the records of tracing/trace.py (run, step, request), live from
 // /dashboard/stream or replayed from /dashboard/traces. Plain canvas and SVG, no library.
 "use strict";
 

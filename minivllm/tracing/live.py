@@ -15,9 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.engine.scheduler_output import SchedulerOutput
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.trace import RequestStates, StepObserver, StepRow, request_record, step_record
+from minivllm.tracing.trace import RequestStates, StepObserver, StepRow, request_record, step_record
 
 DEFAULT_CAPACITY = 4096  # about a minute of a busy server's steps and request changes
 

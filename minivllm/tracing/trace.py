@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.config import EngineConfig
-from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.engine.scheduler_output import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 
 

@@ -1,7 +1,7 @@
 """A generated sequence's text: stop strings and the text a stream may show so far.
 
-One copy for both places that detokenize: the in-process engine (llm_engine.py, on its step thread)
-and the frontend of the engine-core process (core_client.py), which detokenizes there so that the
+One copy for both places that detokenize: the in-process engine (engine/llm_engine.py, on its step thread)
+and the frontend of the engine-core process (frontend/core_client.py), which detokenizes there so that the
 engine's process spends its time on the model.
 """
 from __future__ import annotations

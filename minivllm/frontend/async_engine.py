@@ -21,13 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from minivllm.engine.live import LiveFeed
 from minivllm.engine.llm_engine import LLMEngine, PromptType
-from minivllm.engine.trace import run_record
 from minivllm.lora.request import LoRARequest
 from minivllm.model.tokenizer import Tokenizer
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.structured_output.extension import StructuredOutputs
+from minivllm.tracing.live import LiveFeed
+from minivllm.tracing.trace import run_record
 
 logger = logging.getLogger(__name__)
 
@@ -184,14 +185,14 @@ class AsyncEngine:
         return stream
 
     async def utility(self, method: str, *args: Any) -> Any:
-        """LLMEngine.`method`(*args), run in the step thread between steps (the engine is not thread-safe);
-        its exception, if any, is raised here."""
+        """LLMEngine.utility(`method`, *args), run in the step thread between steps (the engine is not
+        thread-safe); its exception, if any, is raised here."""
         self.check_running()
         done = self._loop.create_future()
 
         def call() -> None:
             try:
-                result, error = getattr(self.engine, method)(*args), None
+                result, error = self.engine.utility(method, *args), None
             except Exception as e:  # handed to the caller, as the add path does
                 result, error = None, e
             self._call_in_loop(_settle, done, result, error)
@@ -202,7 +203,8 @@ class AsyncEngine:
     async def check_structured(self, params: StructuredOutputsParams) -> None:
         """Compile the grammar (in the compiler's pool, off the event loop and the step loop; cached for
         the request that follows); raises ValueError if the library rejects it."""
-        manager = await asyncio.to_thread(lambda: self.engine.structured_output)
+        grammars = self.engine.extension(StructuredOutputs)
+        manager = await asyncio.to_thread(lambda: grammars.manager)
         await asyncio.wrap_future(manager.compile(params))
 
     def abort(self, request_ids: list[str]) -> None:

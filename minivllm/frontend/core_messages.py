@@ -7,7 +7,7 @@ Typed msgspec Structs encoded as MessagePack arrays (array_like: no field names 
 omit_defaults: a request without logprobs sends none). SamplingParams, a dataclass, travels as itself
 (msgspec encodes dataclasses by field and runs __post_init__ on decode, which validates again).
 
-Measured with `python -m minivllm.engine.core_messages` (one step's outputs for twelve decoding streams,
+Measured with `python -m minivllm.frontend.core_messages` (one step's outputs for twelve decoding streams,
 one new token each): msgspec encodes and decodes the batch in ~9 us, 642 bytes; pickling the cumulative
 RequestOutputs the in-process engine hands over (12 requests, 100 tokens in) takes ~410 us, 6.2 kB.
 """

@@ -13,75 +13,19 @@ A proposer is one small object per method (vLLM's `speculative_config` "method")
             stays above suffix_decoding_min_token_prob, for at most max_spec_factor x the match length.
 
 A draft is only a guess: the engine verifies it in the same step as everything else and keeps a
-draft token only if it equals what the target model samples at its position (llm_engine.py). So a
+draft token only if it equals what the target model samples at its position (extension.py). So a
 proposer may be wrong (a hash collision here only costs a rejected draft) but never makes the output
-wrong. How many of a draft's tokens a step verifies is the scheduler's call (scheduler.py).
+wrong. How many draft tokens pay is extension.py's call, how many fit the step the scheduler's.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
+from minivllm.config import SpeculativeConfig
 from minivllm.engine.sequence import Sequence
-
-METHODS = ("ngram", "suffix")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config` keys for the draftless methods."""
-
-    method: str
-    num_speculative_tokens: int = 4  # the most draft tokens verified per sequence and step
-    prompt_lookup_min: int = 1  # ngram
-    prompt_lookup_max: int = 4  # ngram
-    suffix_decoding_max_tree_depth: int = 24  # suffix: longest context matched
-    # suffix: requests whose outputs the shared table keeps (vLLM's default is 10000; each cached token
-    # costs max_tree_depth table entries in Python here, so the default is smaller)
-    suffix_decoding_max_cached_requests: int = 256
-    suffix_decoding_max_spec_factor: float = 1.0  # suffix: draft at most this x the matched length
-    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop the draft below this probability
-
-    @classmethod
-    def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
-        """From `--speculative-config` JSON text or a dict; a ValueError names what is wrong."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
-        if value.get("method") not in METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, "
-                             f"got {value.get('method')!r}")
-        config = cls(**value)
-        config._validate()
-        return config
-
-    def _validate(self) -> None:
-        def positive_int(name: str) -> None:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
-
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
-            positive_int(name)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
-        if not self.suffix_decoding_max_spec_factor > 0:
-            raise ValueError("speculative_config.suffix_decoding_max_spec_factor must be > 0")
-        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
-            raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in [0, 1]")
-
 
 class Proposer(Protocol):
     def propose(self, seq: Sequence, max_len: int) -> list[int]:
@@ -213,57 +157,3 @@ class SuffixProposer:
 
 
 PROPOSERS = {"ngram": NgramProposer, "suffix": SuffixProposer}
-
-
-# -- when drafting pays ------------------------------------------------------------------------------
-class StepCostModel:
-    """A step's seconds ~ fixed + per_token x tokens, fitted online (exponentially weighted least
-    squares over the recent steps). `fixed` is what a step costs whatever it computes (reading every
-    weight once, launching the layers), `per_token` what each token adds (its GEMM rows, attention,
-    sampling). On a CPU the fixed part is a few tokens' worth; on a GPU it is hundreds."""
-
-    DECAY = 0.98  # about the last 50 steps
-    PRIOR_KNEE = 4.0  # tokens, until the steps seen differ enough in size to fit a line
-
-    def __init__(self) -> None:
-        self._w = self._t = self._s = self._tt = self._ts = 0.0
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        d = self.DECAY
-        self._w = d * self._w + 1
-        self._t = d * self._t + num_tokens
-        self._s = d * self._s + seconds
-        self._tt = d * self._tt + num_tokens * num_tokens
-        self._ts = d * self._ts + num_tokens * seconds
-
-    @property
-    def knee(self) -> float:
-        """fixed / per_token: the tokens per step at which computing them costs what the fixed part does."""
-        w = self._w
-        var = self._tt / w - (self._t / w) ** 2 if w else 0.0
-        if var < 1.0:
-            return self.PRIOR_KNEE
-        per_token = (self._ts / w - self._t / w * self._s / w) / var
-        fixed = self._s / w - per_token * self._t / w
-        if per_token <= 0:
-            return self.PRIOR_KNEE
-        return min(max(fixed / per_token, 0.0), 4096.0)
-
-
-def draft_length(acceptance: float, max_len: int, num_running: int, knee: float) -> int:
-    """How many draft tokens a sequence should verify next step: the k that maximizes tokens per second.
-
-    With B sequences in a step, verifying k more tokens for each makes the step cost
-    fixed + per_token * B * (1 + k), i.e. (1 + k x) times a plain step with x = B / (knee + B), and
-    yields 1 + E_k tokens per sequence, E_k = a + a^2 + ... + a^k when each draft token is accepted
-    with probability a given the ones before it. So drafting k pays iff (1 + E_k) / (1 + k x) > 1: at
-    one stream x is small and even a modest acceptance pays; as the batch grows, x -> 1 and only
-    near-certain drafts do, so a saturated server stops drafting by itself."""
-    x = num_running / (knee + num_running)
-    best, best_gain, expected = 0, 1.0, 0.0
-    for k in range(1, max_len + 1):
-        expected += acceptance ** k
-        gain = (1 + expected) / (1 + k * x)
-        if gain > best_gain:
-            best, best_gain = k, gain
-    return best

@@ -5,7 +5,7 @@ the RequestOutputs the server streams.
 
 The engine process runs only the scheduler and the model; this process (the HTTP server's) keeps the
 tokenizer and does everything with text: each request's incremental detokenizer and stop strings live
-here (engine/text.py, the same code the in-process engine runs), and a request that reaches a stop
+here (minivllm/text.py, the same code the in-process engine runs), and a request that reaches a stop
 string is aborted in the engine. A step's outputs are one message of token ids (core_messages.py).
 
 If the engine process dies, every open request fails with EngineDeadError (the server answers each with
@@ -27,18 +27,18 @@ import zmq
 import zmq.asyncio
 
 from minivllm.config import EngineConfig
-from minivllm.engine.async_engine import EngineDeadError, EngineRequest, RequestStream
-from minivllm.engine.core import ERRORS, STARTUP_FAILED, run_engine_core
-from minivllm.engine.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
-                                           UtilityCall, decoder, encoder)
-from minivllm.engine.live import LiveFeed
 from minivllm.engine.llm_engine import tokenize_prompt
-from minivllm.engine.text import cut_at_stop_string, visible_text
+from minivllm.frontend.async_engine import EngineDeadError, EngineRequest, RequestStream
+from minivllm.frontend.core import ERRORS, STARTUP_FAILED, run_engine_core
+from minivllm.frontend.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
+                                           UtilityCall, decoder, encoder)
 from minivllm.lora.request import LoRARequest
 from minivllm.model.loader import load_checkpoint, resolve_model_path
 from minivllm.model.tokenizer import IncrementalDetokenizer, Tokenizer, get_tokenizer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.text import cut_at_stop_string, visible_text
+from minivllm.tracing.live import LiveFeed
 
 STARTUP_TIMEOUT_S = 600  # a cold start compiles the kernels and packs the weights
 SHUTDOWN_TIMEOUT_S = 30  # after SIGTERM, the engine process gets this long before it is killed

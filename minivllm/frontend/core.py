@@ -24,15 +24,17 @@ import msgspec
 import zmq
 
 from minivllm.config import EngineConfig
-from minivllm.engine.async_engine import EngineRequest, QueueFullError, add_group
-from minivllm.engine.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
-                                           Timestamps, UtilityCall, decoder, encoder)
-from minivllm.engine.live import LiveFeed
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.trace import run_record
+from minivllm.frontend.async_engine import EngineRequest, QueueFullError, add_group
+from minivllm.frontend.core_messages import (Abort, Add, AddRequest, OutputBatch, Ready, Reply, RequestDelta,
+                                           Timestamps, UtilityCall, decoder, encoder)
+from minivllm.lora.extension import LoRAAdapters
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import StructuredOutputsParams
+from minivllm.structured_output.extension import StructuredOutputs
+from minivllm.tracing.live import LiveFeed
+from minivllm.tracing.trace import run_record
 
 STARTUP_FAILED = -1  # the call id of the Reply that says why the engine could not start
 # The exceptions a Reply re-raises in the frontend as themselves (by the first of their classes named here:
@@ -61,7 +63,7 @@ class EngineCore:
         self.output.connect(output_address)
         try:
             self.engine = engine = LLMEngine(config, detokenize=False)
-            engine.add_loras(lora_modules)
+            engine.extension(LoRAAdapters).add_loras(lora_modules)
             engine.warm_up()
         except (ValueError, FileNotFoundError) as e:  # a bad config: the frontend says so and exits
             self._send(error_reply(STARTUP_FAILED, e))
@@ -151,14 +153,14 @@ class EngineCore:
     def utility_compile_grammar(self, params: dict[str, Any]) -> Future:
         """Compile a structured-output grammar (in the compiler's pool; cached for the request that
         follows); the reply says whether the library accepted it."""
-        return self.engine.structured_output.compile(msgspec.convert(params, StructuredOutputsParams))
+        return self.engine.extension(StructuredOutputs).compile(msgspec.convert(params, StructuredOutputsParams))
 
     def utility_add_lora(self, lora_request: dict[str, Any] | list[Any]) -> bool:
         """Load and register an adapter (POST /v1/load_lora_adapter); a ValueError names its problem."""
-        return self.engine.add_lora(msgspec.convert(lora_request, LoRARequest))
+        return self.engine.extension(LoRAAdapters).add_lora(msgspec.convert(lora_request, LoRARequest))
 
     def utility_remove_lora(self, lora_name: str) -> bool:
-        return self.engine.remove_lora(lora_name)
+        return self.engine.extension(LoRAAdapters).remove_lora(lora_name)
 
     # -- outputs -----------------------------------------------------------------------------------------------
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
