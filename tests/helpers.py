@@ -20,10 +20,13 @@ NEW_TOKENS = 32
 def cpu_targets(vnni: bool = False) -> list[str]:
     """The -march targets (MINIVLLM_CPU_ARCH) whose kernels this machine runs: its own ("native") and, on
     an x86 CPU with AVX2, FMA and F16C, x86-64-v3 (simd.h's AVX2 section without VNNI). With `vnni`, also
-    alderlake where the CPU has AVX-VNNI (the AVX2 section's vpdpbusd)."""
+    alderlake where the CPU has AVX-VNNI (the AVX2 section's vpdpbusd).
+    x86-64-v3 only where "native" builds other code: csrc/ branches beyond AVX2 on AVX-512 (__AVX512F__,
+    simd.h's avx512 section, __AVX512VNNI__) and AVX-VNNI (__AVXVNNI__) alone, so on a CPU with neither
+    "native" is already the AVX2 section without VNNI, and a second run would test the same code twice."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     targets = ["native"]
-    if {"avx2", "fma", "f16c"} <= flags:
+    if {"avx2", "fma", "f16c"} <= flags and flags & {"avx512f", "avx_vnni"}:
         targets.append("x86-64-v3")
         if vnni and "avx_vnni" in flags:
             targets.append("alderlake")
