@@ -109,9 +109,10 @@ def assert_idle(engine: LLMEngine) -> None:
 
 
 def layer_loop_outputs(llm: LLM, native: bool, lora_request: Any = None, prompts: list[str] = EQUALITY_PROMPTS,
-                       max_tokens: int = 12) -> list[Any]:
+                       max_tokens: int = 8) -> list[Any]:
     """Greedy tokens and logprobs of `prompts` (in one batch; `lora_request` as LLM.generate takes it)
-    through the native layer loop (csrc/forward.c) or, native=False, decoder.py's Python loop."""
+    through the native layer loop (csrc/forward.c) or, native=False, decoder.py's Python loop. 8 tokens:
+    at a budget of 48 tokens a step, the long prompt's chunks end in step 6, and decodes run beside each."""
     model = llm.engine.runner.model
     saved = model.native_forward
     model.native_forward = saved if native else None
