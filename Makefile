@@ -21,7 +21,7 @@ demo: setup
 	$(VENV)/bin/minivllm demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The kernels' AArch64 build (NEON), cross-compiled and run under qemu-user against the x86 build's
 # reference outputs: needs gcc-aarch64-linux-gnu and qemu-user (tests/arm_kernels.py).

@@ -20,10 +20,13 @@ NEW_TOKENS = 32
 def cpu_targets(vnni: bool = False) -> list[str]:
     """The -march targets (MINIVLLM_CPU_ARCH) whose kernels this machine runs: its own ("native") and, on
     an x86 CPU with AVX2, FMA and F16C, x86-64-v3 (simd.h's AVX2 section without VNNI). With `vnni`, also
-    alderlake where the CPU has AVX-VNNI (the AVX2 section's vpdpbusd)."""
+    alderlake where the CPU has AVX-VNNI (the AVX2 section's vpdpbusd).
+    x86-64-v3 only where "native" builds other code: csrc/ branches beyond AVX2 on AVX-512 (__AVX512F__,
+    simd.h's avx512 section, __AVX512VNNI__) and AVX-VNNI (__AVXVNNI__) alone, so on a CPU with neither
+    "native" is already the AVX2 section without VNNI, and a second run would test the same code twice."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     targets = ["native"]
-    if {"avx2", "fma", "f16c"} <= flags:
+    if {"avx2", "fma", "f16c"} <= flags and flags & {"avx512f", "avx_vnni"}:
         targets.append("x86-64-v3")
         if vnni and "avx_vnni" in flags:
             targets.append("alderlake")
@@ -106,9 +109,10 @@ def assert_idle(engine: LLMEngine) -> None:
 
 
 def layer_loop_outputs(llm: LLM, native: bool, lora_request: Any = None, prompts: list[str] = EQUALITY_PROMPTS,
-                       max_tokens: int = 12) -> list[Any]:
+                       max_tokens: int = 8) -> list[Any]:
     """Greedy tokens and logprobs of `prompts` (in one batch; `lora_request` as LLM.generate takes it)
-    through the native layer loop (csrc/forward.c) or, native=False, decoder.py's Python loop."""
+    through the native layer loop (csrc/forward.c) or, native=False, decoder.py's Python loop. 8 tokens:
+    at a budget of 48 tokens a step, the long prompt's chunks end in step 6, and decodes run beside each."""
     model = llm.engine.runner.model
     saved = model.native_forward
     model.native_forward = saved if native else None

@@ -1,7 +1,7 @@
 """Stop strings and tokens, min_tokens, max_model_len, seeded sampling, abort, and streaming text.
 
-Expected outputs are never hard-coded: each test first runs the model plainly and derives what the
-feature must do to that output.
+Expected outputs are never hard-coded: each test derives what the feature must do from a plain run of
+the model on the same prompt (the stop tests share one, `baseline`).
 """
 from __future__ import annotations
 
@@ -34,10 +34,17 @@ def two_token_stop(texts: list[str]) -> tuple[str, int, int]:
     raise AssertionError(f"no usable token boundary in {final!r}")
 
 
-def test_stop_string_spanning_two_tokens(llm: LLM) -> None:
-    baseline = stream(llm.engine, CODE_PROMPT, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    texts = [o.outputs[0].text for o in baseline]
-    tokens = baseline[-1].outputs[0].token_ids
+@pytest.fixture(scope="module")
+def baseline(_default_llm: LLM) -> list[CompletionOutput]:
+    """The plain greedy run of CODE_PROMPT (complete()'s defaults), streamed: the output after each step.
+    Run once for the module: the stop tests below each derive what their feature must do from it."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    return [o.outputs[0] for o in stream(_default_llm.engine, CODE_PROMPT, params)]
+
+
+def test_stop_string_spanning_two_tokens(llm: LLM, baseline: list[CompletionOutput]) -> None:
+    texts = [o.text for o in baseline]
+    tokens = baseline[-1].token_ids
     stop, at, last = two_token_stop(texts)
 
     outs = stream(llm.engine, CODE_PROMPT, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=stop))
@@ -53,8 +60,8 @@ def test_stop_string_spanning_two_tokens(llm: LLM) -> None:
     assert (kept.text, kept.stop_reason) == (texts[-1][:at + len(stop)], stop)
 
 
-def test_stop_token_ids(llm: LLM) -> None:
-    tokens = complete(llm).token_ids
+def test_stop_token_ids(llm: LLM, baseline: list[CompletionOutput]) -> None:
+    tokens = baseline[-1].token_ids
     stop_token = tokens[5]
     out = complete(llm, stop_token_ids=[stop_token])
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_token)
@@ -75,8 +82,8 @@ def test_min_tokens_holds_back_eos(llm: LLM) -> None:
     assert longer.token_ids[:n - 1] == natural.token_ids[:n - 1]  # greedy until EOS was banned
 
 
-def test_min_tokens_holds_back_stop_tokens(llm: LLM) -> None:
-    tokens = complete(llm).token_ids
+def test_min_tokens_holds_back_stop_tokens(llm: LLM, baseline: list[CompletionOutput]) -> None:
+    tokens = baseline[-1].token_ids
     stop_token = tokens[3]
     first = tokens.index(stop_token)
     out = complete(llm, stop_token_ids=[stop_token], min_tokens=first + 2)

@@ -22,7 +22,14 @@ def _tokens(llm, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_repetition_penalty_equals_hf_generate(llm, hf_model) -> None:
+@pytest.fixture(scope="module")
+def plain(_default_llm) -> list:
+    """The prompts' plain greedy outputs (one batch, run once for the module): what each feature must change,
+    or leave as it is. A row's tokens do not depend on its batch (test_features_are_per_row_in_a_mixed_batch)."""
+    return [o.outputs[0] for o in _default_llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+
+
+def test_repetition_penalty_equals_hf_generate(llm, hf_model, plain) -> None:
     penalty = 1.3
     ours = _tokens(llm, PROMPTS, greedy(repetition_penalty=penalty))
     for prompt, tokens in zip(PROMPTS, ours):
@@ -31,10 +38,10 @@ def test_repetition_penalty_equals_hf_generate(llm, hf_model) -> None:
                                       repetition_penalty=penalty, max_new_tokens=NUM_TOKENS,
                                       min_new_tokens=NUM_TOKENS, pad_token_id=0)[0, ids.shape[1]:].tolist()
         assert tokens == reference, prompt
-    assert ours != _tokens(llm, PROMPTS, greedy())  # the penalty changed something
+    assert ours != [c.token_ids for c in plain]  # the penalty changed something
 
 
-def test_presence_and_frequency_penalties_against_hand_reference(llm, hf_model) -> None:
+def test_presence_and_frequency_penalties_against_hand_reference(llm, hf_model, plain) -> None:
     """OpenAI's definition: logit - frequency * count - presence * (count > 0), counts over the output
     so far. The reference applies it to the model's logits along our output (teacher forcing)."""
     presence, frequency = 1.5, 1.0
@@ -50,7 +57,7 @@ def test_presence_and_frequency_penalties_against_hand_reference(llm, hf_model) 
         if top2.values[0] - top2.values[1] > 1e-3:  # not a near tie that float rounding may flip
             assert token == top2.indices[0].item(), f"step {step}"
         counts[token] += 1
-    assert tokens != _tokens(llm, [prompt], greedy())[0]
+    assert tokens != plain[1].token_ids
 
 
 def test_features_are_per_row_in_a_mixed_batch(llm) -> None:
@@ -72,8 +79,8 @@ def test_logit_bias_and_allowed_token_ids(llm) -> None:
     assert all(set(t) <= set(allowed) for t in out)
 
 
-def test_bad_words_never_appear(llm) -> None:
-    reference = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0]
+def test_bad_words_never_appear(llm, plain) -> None:
+    reference = plain[0]
     word = max(reference.text.split(), key=len).strip(".,;:!?")
     banned = llm.engine._bad_words([word])
     out = _tokens(llm, [PROMPTS[0]], greedy(bad_words=[word]))[0]
@@ -82,11 +89,11 @@ def test_bad_words_never_appear(llm) -> None:
         assert not any(out[i:i + len(seq)] == seq for i in range(len(out))), (word, seq)
 
 
-def test_min_p(llm) -> None:
+def test_min_p(llm, plain) -> None:
     # min_p = 1 keeps only the likeliest token: sampling becomes greedy.
     sampled = _tokens(llm, PROMPTS, SamplingParams(temperature=1.0, seed=5, min_p=1.0, max_tokens=NUM_TOKENS,
                                                    min_tokens=NUM_TOKENS, ignore_eos=True))
-    assert sampled == _tokens(llm, PROMPTS, greedy())
+    assert sampled == [c.token_ids for c in plain]
     # Every drawn token is at least min_p times as likely as the likeliest (logprobs are the raw ones).
     out = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=6, min_p=0.3, max_tokens=NUM_TOKENS, logprobs=1),
                        use_tqdm=False)
