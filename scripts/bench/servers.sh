@@ -1,7 +1,8 @@
-# Shared by the sittings' scripts (sourced): the checkout they run (REPO, default /work/main, made the
+# Shared by the benchmark scripts beside it (sourced): the checkout they run (REPO, default the one holding
+# these scripts, made the
 # working directory), its Python and CLI, the 0.5B file; a log line with the time, a server's start and
 # stop. The caller sets OUT (the results folder) first, and pid (the server being waited for or stopped).
-REPO=${REPO:-/work/main}
+REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 cd "$REPO" || exit 1
 PY=$REPO/.venv/bin/python
 export PYTHONPATH=$REPO

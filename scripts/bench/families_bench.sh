@@ -8,9 +8,9 @@
 # Gemma 2's converter needs a SentencePiece tokenizer.model: a small one is trained (tests/helpers.py); the
 # converter pads it to the checkpoint's vocabulary, and the workload's lengths are in tokens, so the runs compare.
 set -euo pipefail
-WT=${WT:-/work/main}
-PY=${PY:-/work/main/.venv/bin/python}
-OUT=${OUT:-/work/runs/families_bench_out}
+WT=${WT:-$(cd "$(dirname "$0")/../.." && pwd)}
+PY=${PY:-$WT/.venv/bin/python}
+OUT=${OUT:-$PWD/runs/families_bench_out}
 QUANTIZE=${QUANTIZE:-$HOME/.cache/minivllm-peers/llama.cpp/build/bin/llama-quantize}
 FAMILIES=${FAMILIES:-"llama qwen3 gemma2 gemma3 phi3 smollm3 granite"}
 mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 30 (the engine core in its own process): the benchmarks, to run ALONE on the machine.
-#   bash /work/runs/core_bench.sh            # REPO=/work/main by default (the merged tree)
+#   bash scripts/bench/core_bench.sh         # REPO: this checkout by default; OUT: ./runs/core_bench_out
 # On the default model and on the 0.5B file:
 #   (a) offline `bench throughput --dataset fixed` vs `bench serve --dataset fixed` (all at once, streaming)
 #       against `minivllm serve` (engine-core process) and `--disable-frontend-multiprocessing`
@@ -12,11 +12,11 @@
 #   (d) vLLM-CPU's api_server vs `minivllm serve`: the fixed workload's lengths, 200 requests, all at once,
 #       then Poisson at 70 % of vLLM's saturated request rate (our TPOT mean and P99 TTFT vs vLLM's), each
 #       on a freshly started server (ONLY_RATE70=1: only these, at the rate of an earlier saturated run)
-# Results: /work/runs/core_bench_out/ (one JSON per run, server logs, summary.md at the end).
+# Results: $OUT (one JSON per run, server logs, summary.md at the end).
 # Ports 8441-8449.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)  # before the cd below: servers.sh lies beside this script
-OUT=/work/runs/core_bench_out
+OUT=${OUT:-$PWD/runs/core_bench_out}
 source "$HERE/servers.sh"  # REPO (cd there), PY, MV, M05; log, wait_healthy, stop_server
 PEERS=$HOME/.cache/minivllm-peers
 VLLM_PY=$PEERS/vllm/bin/python
@@ -170,7 +170,7 @@ elif [ -x "$VLLM_PY" ]; then
   [ -z "${ONLY_05B:-}" ] && run_vllm default "$PEERS/smollm2-135m-hf"
   [ -z "${SKIP_05B_VLLM:-}" ] && run_vllm q05b "$(hf_checkpoint_05b)" --model "$M05"
 else
-  log "no vLLM at $VLLM_PY: run /work/shared/peers/setup_vllm_cpu.sh first; (d) skipped"
+  log "no vLLM at $VLLM_PY: run ../shared/peers/setup_vllm_cpu.sh first; (d) skipped"
 fi
 
 "$PY" - "$OUT" <<'PY' | tee "$OUT/summary.md"

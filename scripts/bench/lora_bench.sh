@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 32 (many LoRA adapters batched): the benchmarks, to run ALONE on the machine.
-#   bash /work/runs/lora_bench.sh            # REPO=/work/main by default (the merged tree)
+#   bash scripts/bench/lora_bench.sh         # REPO: this checkout by default; OUT: ./runs/lora_bench_out
 # On the 0.5B file (Qwen2.5-Coder-0.5B-Instruct Q4_K_M), 8 random adapters of rank 16 on all seven
 # projections (PEFT layout, and converted to llama.cpp's LoRA GGUF by its own converter):
 #   (a) 16 concurrent requests round-robin over the 8 adapters vs the same 16 requests on the base,
@@ -10,10 +10,10 @@
 #   (c) an adapter loaded at runtime (POST /v1/load_lora_adapter): the load's time, and the TTFT of its first
 #       request vs a request to an adapter already loaded
 #   SKIP_LLAMA=1 runs minivllm alone ((a) and (c)), without converting the adapters for llama.cpp.
-# Results: /work/runs/lora_bench_out/ (bench JSONs, server logs, summary.md). Ports 8451-8459.
+# Results: $OUT (bench JSONs, server logs, summary.md). Ports 8451-8459.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)  # before the cd below: servers.sh lies beside this script
-OUT=/work/runs/lora_bench_out
+OUT=${OUT:-$PWD/runs/lora_bench_out}
 source "$HERE/servers.sh"  # REPO (cd there), PY, MV, M05; log, wait_healthy, stop_server
 LLAMA_SERVER=$HOME/.cache/minivllm-peers/llama.cpp/build-noamx/bin/llama-server
 [ -x "$LLAMA_SERVER" ] || LLAMA_SERVER=$HOME/.cache/minivllm-peers/llama.cpp/build/bin/llama-server
@@ -92,8 +92,8 @@ if wait_healthy http://127.0.0.1:8451 minivllm; then
   bench minivllm_lora 8451 --lora-modules $NAMES
   bench minivllm_base_again 8451
   log "runtime load of a8, and TTFT of its first request"
-  $PY - <<'EOF' > "$OUT/runtime_load.txt" 2>&1
-import json, time
+  ADAPTERS="$ADAPTERS" $PY - <<'EOF' > "$OUT/runtime_load.txt" 2>&1
+import json, os, time
 import httpx
 
 url = "http://127.0.0.1:8451"
@@ -107,7 +107,7 @@ def ttft(model: str) -> float:
     raise RuntimeError("no token")
 warm = [ttft("a0") for _ in range(3)]
 start = time.perf_counter()
-r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a8", "lora_path": "/work/runs/lora_bench_out/adapters/a8"},
+r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a8", "lora_path": os.environ["ADAPTERS"] + "/a8"},
                timeout=None)
 load_s = time.perf_counter() - start
 first = ttft("a8")
