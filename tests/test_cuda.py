@@ -28,6 +28,23 @@ triton_kernels = pytest.importorskip("minivllm.model.triton_kernels", reason="Tr
 from minivllm.model.cuda_graphs import batch_buckets  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _row_invariant_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+    """tl.dot as a GPU's tensor cores compute it: each element's products summed in K order, the same for
+    every row. The interpreter's own np.matmul goes to OpenBLAS, whose AVX2 sgemm sums a row in an order that
+    depends on where the row sits in the tile, which no GPU does."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    products = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
+    return TensorHandle(products.sum(axis=1, dtype=d.data.dtype) + d.data, d.dtype.scalar)
+
+
+if not HAS_CUDA:
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    InterpreterBuilder.create_dot = _row_invariant_dot
 DOT_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 ROW_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
