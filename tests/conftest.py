@@ -87,13 +87,9 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def hf_model(default_model_path: Path) -> Any:
     """transformers' own model on the same GGUF, dequantized by transformers, in float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from tests.helpers import hf_from_gguf
 
-    from minivllm.model.loader import model_files_dir
-
-    directory, gguf_file = model_files_dir(default_model_path)
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32).eval()
+    return hf_from_gguf(default_model_path)
 
 
 @pytest.fixture(scope="session")

@@ -17,21 +17,17 @@ from minivllm import LLM, SamplingParams
 from minivllm.model.decoder import rope_inv_freq
 from minivllm.model.loader import load_checkpoint
 from tests.helpers import (EQUALITY_PROMPTS, LLAMA3_ROPE, LONG_PROMPT, TINY_HEADS, TINY_HIDDEN, TINY_KV_HEADS,
-                           assert_match_hf, encode_matrix, greedy, save_tiny_model, tiny_config, tiny_head_dim,
-                           write_tiny_gguf)
-
-
-def hf_from_gguf(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+                           assert_match_hf, encode_matrix, greedy, hf_from_gguf, save_tiny_model, tiny_config,
+                           tiny_head_dim, write_tiny_gguf)
 
 
 # -- GGUF ------------------------------------------------------------------------------------------
 def test_default_gguf_weights_equal_transformers(default_model_path: Path, hf_model: Any) -> None:
     import gguf
 
-    types = {t.tensor_type.name for t in gguf.GGUFReader(default_model_path).tensors}
+    from minivllm.model.gguf_file import GGUFFile
+
+    types = {gguf.GGMLQuantizationType(t.type).name for t in GGUFFile(default_model_path).tensors}
     assert {"Q4_1", "Q8_0", "F32"} <= types
     reference = hf_model.state_dict()
     _, weights = load_checkpoint(default_model_path)

@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench.quality import DEFAULT_TEXT, score, scores_of, text_chunks
 from minivllm.config import EngineConfig
-from tests.helpers import HFGreedy, assert_idle, greedy
+from tests.helpers import HFGreedy, assert_idle, greedy, hf_from_gguf
 
 CHAT_PROMPTS = ["Write a Python function that reverses a string.", "What does `git rebase` do?",
                 "Fix the bug: def add(a, b): return a - b"]
@@ -39,14 +38,10 @@ def dequantized_f32(real_gguf: Path) -> Any:
 
 
 def test_dequantized_float32_greedy_equals_transformers(real_gguf: Path, dequantized_f32: Any) -> None:
-    from transformers import AutoModelForCausalLM
-
     tokenizer = dequantized_f32.engine.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                 add_special_tokens=False) for p in CHAT_PROMPTS]
-    hf = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name,
-                                              dtype=torch.float32).eval()
-    expected = HFGreedy(hf).many(prompts, 16)
+    expected = HFGreedy(hf_from_gguf(real_gguf)).many(prompts, 16)
     ours = dequantized_f32.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in ours] == expected
     assert_idle(dequantized_f32.engine)

@@ -17,7 +17,7 @@ from minivllm.config import EngineConfig, SpeculativeConfig
 from minivllm.engine.sequence import Sequence
 from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import StructuredOutputsParams
-from minivllm.spec_decode.extension import draft_length
+from minivllm.spec_decode.extension import SpeculativeDecoding, StepCostModel, draft_length
 from minivllm.spec_decode.proposers import NgramProposer, SuffixProposer
 from tests.helpers import LONG_PROMPT, assert_idle
 
@@ -41,9 +41,19 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
 
 
+class PriorKnee(StepCostModel):
+    """A step cost model that keeps the CPU's prior knee: the fitted one comes from the steps' wall-clock
+    times, which a loaded test machine makes anything (at a knee near 0 no draft pays)."""
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+
 def spec_llm(config: dict, **engine_args: Any) -> LLM:
     # As conftest's engines: float32, dequantized (the weights are loaded once per process).
-    return LLM(dtype="float32", quantization="none", speculative_config=config, **engine_args)
+    llm = LLM(dtype="float32", quantization="none", speculative_config=config, **engine_args)
+    llm.engine.extension(SpeculativeDecoding).step_cost = PriorKnee()
+    return llm
 
 
 def greedy(max_tokens: int = 40, **kw: Any) -> SamplingParams:
