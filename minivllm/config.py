@@ -162,13 +162,15 @@ class EngineConfig:
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata["help"]
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                    help=f.metadata["help"])
+                                    help=f"{help_text} (default: {'on' if f.default else 'off'})")
                 continue
+            if "(default:" not in help_text and f.default is not None:  # else the help says what None means
+                help_text += f" (default: {f.default})"
             kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(f.type, str)
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
-                                help=f"{f.metadata['help']} (default: {f.default})")
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=help_text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":

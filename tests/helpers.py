@@ -92,51 +92,12 @@ class HFGreedy:
 
 def hf_from_gguf(path: Path, dtype: Any = None) -> Any:
     """transformers' model on a GGUF file's tensors, read and dequantized by transformers, in float32 unless
-    `dtype`. It reads a copy of the file without the tokenizer's arrays (vocabulary, scores, merges), the
-    vocabulary's size written in their place: transformers parses those arrays element by element, most
-    of a minute for a 150k vocabulary, and the tests tokenize with the engine's tokenizer."""
-    import tempfile
-
+    `dtype` (through a copy of the file without the tokenizer's arrays: hf_backend.hf_causal_lm)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with tempfile.TemporaryDirectory() as directory:
-        copy = Path(directory) / path.name
-        _write_gguf_without_tokenizer_arrays(path, copy)
-        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=copy.name,
-                                                    dtype=dtype or torch.float32).eval()
+    from minivllm.bench.hf_backend import hf_causal_lm
 
-
-def _write_gguf_without_tokenizer_arrays(path: Path, out: Path) -> None:
-    """`path` copied byte for byte but for the metadata arrays under tokenizer.ggml. (and `ARCH.vocab_size`
-    added where the file leaves it to the vocabulary's length). The tensor table's offsets are relative to
-    the data section, which starts at the next multiple of the alignment after the shorter header."""
-    import struct
-
-    from minivllm.model.gguf_file import DEFAULT_ALIGNMENT, GGUFArray, GGUFFile
-
-    f = GGUFFile(path)
-    data, arch = f._map, f.get("general.architecture")
-    f._pos = 24  # magic, version, tensor count, metadata count; the walk below is GGUFFile's own
-    entries = []
-    for _ in range(len(f.metadata)):
-        start, key = f._pos, f._string()
-        f._value(f._unpack("<I")[0])
-        if not (key.startswith("tokenizer.ggml.") and isinstance(f.metadata[key], GGUFArray)):
-            entries.append(data[start:f._pos])
-    if f"{arch}.vocab_size" not in f.metadata:
-        key = f"{arch}.vocab_size".encode()
-        entries.append(struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, f.array_length("tokenizer.ggml.tokens")))
-    table_start = f._pos
-    for _ in f.tensors:
-        f._string()
-        f._unpack(f"<{f._unpack('<I')[0]}Q")
-        f._unpack("<IQ")
-    header = data[:8] + struct.pack("<QQ", len(f.tensors), len(entries)) + b"".join(entries) + data[table_start:f._pos]
-    alignment = f.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    with open(out, "wb") as w:
-        w.write(header + bytes(-len(header) % alignment))
-        w.write(data[f.data_offset:])
+    return hf_causal_lm(path, dtype or torch.float32)
 
 
 def assert_match_hf(outputs: list[RequestOutput], hf_greedy: HFGreedy) -> None:

@@ -6,12 +6,16 @@ timestamps every step, so each request gets the same timestamps an engine reques
 """
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from minivllm.bench.workloads import BenchRequest
+from minivllm.model.gguf_file import GGUFFile
 from minivllm.model.loader import model_files_dir, resolve_model_path
 from minivllm.model.tokenizer import Tokenizer
 from minivllm.outputs import RequestMetrics
@@ -74,15 +78,25 @@ class BatchRun:
         return rows
 
 
+def hf_causal_lm(path: Path, dtype: torch.dtype) -> Any:
+    """transformers' own model on a checkpoint, in `dtype`. A GGUF file is read through a copy without its
+    tokenizer's arrays (GGUFFile.write_without_tokenizer_arrays): the tokens come from minivllm's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    directory, gguf_file = model_files_dir(path)
+    if gguf_file is None:
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    with tempfile.TemporaryDirectory() as copy_dir:
+        GGUFFile(path).write_without_tokenizer_arrays(Path(copy_dir) / gguf_file)
+        return AutoModelForCausalLM.from_pretrained(copy_dir, gguf_file=gguf_file, dtype=dtype).eval()
+
+
 class HFGenerator:
     def __init__(self, model: str | None, dtype: torch.dtype, device: torch.device, tokenizer: Tokenizer) -> None:
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        directory, gguf_file = model_files_dir(resolve_model_path(model))
-        self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype)
-        self.model.to(device).eval()
+        self.model = hf_causal_lm(resolve_model_path(model), dtype).to(device)
         # ignore_eos, as in every benchmark run: each request runs to its own output length.
         self.model.generation_config.eos_token_id = None
         self.device = device

@@ -56,9 +56,12 @@ class GGUFFile:
         if self.version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {self.version} is not supported (2 and 3 are)")
         self.metadata: dict[str, Any] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # each metadata entry's bytes, key to value
         for _ in range(num_kv):
-            key = self._string()
+            start, key = self._pos, self._string()
             self.metadata[key] = self._value(self._unpack("<I")[0])
+            self._spans[key] = (start, self._pos)
+        table_start = self._pos
         infos = []
         for _ in range(num_tensors):
             name = self._string()
@@ -66,8 +69,9 @@ class GGUFFile:
             dims = self._unpack(f"<{n_dims}Q")
             kind, offset = self._unpack("<IQ")
             infos.append((name, kind, tuple(reversed(dims)), offset))
-        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        self.data_offset = -(-self._pos // alignment) * alignment
+        self._table = (table_start, self._pos)
+        self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        self.data_offset = -(-self._pos // self.alignment) * self.alignment
         self.tensors = [GGUFTensorInfo(name, kind, shape, self.data_offset + offset, _nbytes(kind, shape))
                         for name, kind, shape, offset in infos]
 
@@ -85,6 +89,24 @@ class GGUFFile:
     def raw(self, t: GGUFTensorInfo) -> torch.Tensor:
         """The tensor's bytes in place, flat uint8: no copy, and no page read until used."""
         return torch.frombuffer(self._map, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
+
+    def write_without_tokenizer_arrays(self, out: Path) -> None:
+        """This file copied to `out` byte for byte, less the metadata arrays under tokenizer.ggml. (the
+        vocabulary, scores, merges), with `ARCH.vocab_size` added where the file leaves it to the
+        vocabulary's length. For readers that parse every array element by element (transformers: most of
+        a minute for a 150k vocabulary) when only the model is wanted. The tensor table's offsets count from
+        the data section, which starts at the next multiple of the alignment after the shorter header."""
+        entries = [self._map[start:end] for key, (start, end) in self._spans.items()
+                   if not (key.startswith("tokenizer.ggml.") and isinstance(self.metadata[key], GGUFArray))]
+        vocab_key = f"{self.metadata['general.architecture']}.vocab_size"
+        if vocab_key not in self.metadata:
+            entries.append(struct.pack("<Q", len(vocab_key)) + vocab_key.encode()
+                           + struct.pack("<II", 4, self.array_length("tokenizer.ggml.tokens")))  # 4: uint32
+        header = (self._map[:8] + struct.pack("<QQ", len(self.tensors), len(entries)) + b"".join(entries)
+                  + self._map[self._table[0]:self._table[1]])
+        with open(out, "wb") as f:
+            f.write(header + bytes(-len(header) % self.alignment))
+            f.write(self._map[self.data_offset:])
 
     # -- parsing ---------------------------------------------------------------------------------------
     def _read(self, n: int) -> bytes:

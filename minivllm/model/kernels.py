@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -102,9 +103,10 @@ def library(arch: str) -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then move: atomic
                 objects = [Path(tmp) / f"{s.stem}.o" for s in SOURCES]
-                for source, obj in zip(SOURCES, objects):
-                    subprocess.run([compiler, *compile_flags(arch), "-c", str(source), "-o", str(obj)],
-                                   check=True, capture_output=True, text=True)
+                with ThreadPoolExecutor(os.cpu_count()) as pool:  # one compiler process per core
+                    list(pool.map(lambda source, obj: subprocess.run(
+                        [compiler, *compile_flags(arch), "-c", str(source), "-o", str(obj)],
+                        check=True, capture_output=True, text=True), SOURCES, objects))
                 built = Path(tmp) / lib_path.name
                 subprocess.run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(built), "-lm"],
                                check=True, capture_output=True, text=True)
@@ -154,7 +156,7 @@ def _cpu_library(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None
 
 # The groups of native kernels, each named by one function that exists when it does (the torch twins otherwise).
 KERNEL_GROUPS = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_layers",
-            "paged attention": "paged_attention", "layer ops": "add_rms_norm", "LoRA": "lora"}
+                 "paged attention": "paged_attention", "layer ops": "add_rms_norm", "LoRA": "lora"}
 
 
 def report(device: torch.device, dtype: torch.dtype) -> str:
