@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None,
-                   help="how tool calls are read out of the model's text (hermes: <tool_call>{json}</tool_call>)")
+                   help="how tool calls are read out of the model's text, by family: hermes, llama3_json, mistral, granite, phi4_mini_json, openai (gpt-oss harmony)")
     p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served beside the base (needs --enable-lora): name=path or "
                         '{"name": ..., "path": ...}; a request picks one by its model field')

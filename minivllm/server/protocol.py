@@ -341,6 +341,14 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
         raise validation_error(e) from None
 
 
+def parse_model(model: type[_Strict], value: Any) -> Any:
+    """A request built by a converter (Messages, Responses -> chat), validated as a client's would be."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
 # -- the frontend's own endpoints (vLLM's fields) ------------------------------------------------------------
 class TokenizeRequest(_Strict):
     """/tokenize: exactly one of prompt and messages."""
