@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
-from minivllm.server.protocol import APIError, ChatCompletionRequest, Int, _only, _Strict, parse_model
+from minivllm.server.protocol import (APIError, ChatCompletionRequest, Int, _only, _Strict, parse_model,
+                                      validation_error)
 
 # Fields Claude Code and the SDK send that change nothing here: accepted, and named as ignored.
 ACCEPTED_IGNORED = ("metadata", "context_management", "output_config", "thinking", "service_tier", "container",
@@ -68,9 +69,22 @@ Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | Thin
                   Field(discriminator="type")]
 
 
+_BLOCKS = TypeAdapter(list[Block])
+
+
 class AnthropicMessage(_Strict):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: Annotated[str | list[dict], _only("a string or a list of content blocks")]
+
+    @model_validator(mode="after")
+    def _blocks(self) -> "AnthropicMessage":
+        """The blocks, each checked (one message per bad block, naming it: content.N.field)."""
+        if isinstance(self.content, list):
+            try:
+                self.content = _BLOCKS.validate_python(self.content)
+            except ValidationError as e:
+                raise ValueError(validation_error(e, "content.").message) from None
+        return self
 
 
 class Tool(_Strict):

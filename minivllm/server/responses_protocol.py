@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
 
-from minivllm.server.protocol import APIError, ChatCompletionRequest, Int, _only, _Strict, parse_model
+from minivllm.server.protocol import (APIError, ChatCompletionRequest, Int, _only, _Strict, parse_model,
+                                      validation_error)
 
 # Fields the Agents SDK and Codex CLI send that change nothing here: accepted, and named as ignored.
 # (prompt_cache_key needs no steering: one engine, one prefix cache.)
@@ -86,6 +87,9 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
                                                          "function_call, function_call_output and reasoning")]
 
 
+_ITEMS = TypeAdapter(list[InputItem])
+
+
 class TextFormat(_Strict):
     type: Literal["text", "json_schema", "json_object"]
     name: str | None = None
@@ -101,7 +105,7 @@ class TextConfig(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str | None = None
-    input: Annotated[str | list[InputItem], _only("a string or a list of input items")] = Field(min_length=1)
+    input: Annotated[str | list[dict], _only("a string or a list of input items")]
     instructions: str | None = None
     max_output_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = None
@@ -126,6 +130,18 @@ class ResponsesRequest(_Strict):
     reasoning: dict | None = None
     parallel_tool_calls: bool | None = None
     background: bool | None = None
+
+    @model_validator(mode="after")
+    def _items(self) -> "ResponsesRequest":
+        """The items, each checked (one message per bad item, naming it: input.N.field)."""
+        if not self.input:
+            raise ValueError("input must not be empty")
+        if isinstance(self.input, list):
+            try:
+                self.input = _ITEMS.validate_python(self.input)
+            except ValidationError as e:
+                raise ValueError(validation_error(e, "input.").message) from None
+        return self
 
 
 def function_tools(tools: list[dict] | None) -> tuple[list[dict], list[str]]:
