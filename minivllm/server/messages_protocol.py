@@ -73,7 +73,7 @@ _BLOCKS = TypeAdapter(list[Block])
 
 
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code puts system notes among the turns
     content: Annotated[str | list[dict], _only("a string or a list of content blocks")]
 
     @model_validator(mode="after")
@@ -166,6 +166,10 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
         if message.role == "assistant":
             out.append(_assistant(message))
             open_calls = {c["id"] for c in out[-1].get("tool_calls", [])}
+            continue
+        if message.role == "system":  # where it stands: the turns before it stay a cacheable prefix
+            out.append({"role": "system", "content": "\n".join(b.text for b in _blocks(message)
+                                                                if isinstance(b, TextBlock))})
             continue
         text: list[str] = []
         for b, block in enumerate(_blocks(message)):
