@@ -45,7 +45,7 @@ run_claude() {
   mkdir -p "$WORK/claude" "$WORK/claude-config"
   (cd "$WORK/claude" && ANTHROPIC_BASE_URL=$URL ANTHROPIC_API_KEY=local CLAUDE_CONFIG_DIR="$WORK/claude-config" \
     ANTHROPIC_MODEL=$NAME ANTHROPIC_SMALL_FAST_MODEL=$NAME CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 \
-    DISABLE_AUTOUPDATER=1 API_TIMEOUT_MS=1800000 \
+    DISABLE_AUTOUPDATER=1 API_TIMEOUT_MS=1800000 CLAUDE_STREAM_IDLE_TIMEOUT_MS=1800000 \
     timeout 1800 nice -n 19 "$CLIS/node_modules/.bin/claude" -p "$TASK" --model "$NAME" --max-turns 3 \
     >"$WORK/claude.out" 2>&1)
   local rc=$?

@@ -208,3 +208,30 @@ def test_agents_sdk_runner_calls_a_function_tool(server: ServerProcess, model_na
                          tool_use_behavior="stop_on_first_tool")
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
     assert len(asked) == 1 and result.final_output == f"18 C in {asked[0]}"
+
+
+def test_a_client_that_hangs_up_during_a_long_prefill_closes_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pings wait on the next chunk in a task of their own; closing the stream there must still close the
+    engine's stream (which aborts the request), not fail with 'generator already running'."""
+    import asyncio
+
+    from minivllm.server import messages
+
+    monkeypatch.setattr(messages, "PING_INTERVAL_S", 0.01)
+    closed: list[bool] = []
+
+    async def prefilling():
+        try:
+            await asyncio.sleep(60)
+            yield "never"
+        finally:
+            closed.append(True)
+
+    async def hang_up() -> list:
+        stream, got = messages._with_pings(prefilling()), []
+        got.append(await anext(stream))
+        got.append(await anext(stream))
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(hang_up()) == [None, None] and closed == [True]

@@ -115,10 +115,10 @@ class MessagesAPI:
                  "usage": {"input_tokens": len(sub.gen.prompts[0]), "output_tokens": 0}}
         yield _event("message_start", message=start)
         yield _event("ping")
-        chunks = sub.chunks()
+        chunks = _with_pings(sub.chunks())
         finish = stop = None
         try:
-            async for chunk in _with_pings(chunks):
+            async for chunk in chunks:
                 if chunk is None:
                     yield _event("ping")
                     continue
@@ -140,17 +140,23 @@ class MessagesAPI:
 
 
 async def _with_pings(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[BaseModel | None]:
-    """The chunks, with a None each PING_INTERVAL_S that passes without one (a long prefill)."""
-    while True:
-        step = asyncio.ensure_future(anext(chunks))
-        while not step.done():
-            done, _ = await asyncio.wait({step}, timeout=PING_INTERVAL_S)
-            if not done:
+    """The chunks, with a None each PING_INTERVAL_S that passes without one (a long prefill). Closing
+    this closes `chunks` (which aborts the request), also while a chunk is awaited."""
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(chunks))
+            while not (await asyncio.wait({step}, timeout=PING_INTERVAL_S))[0]:
                 yield None
-        try:
-            yield step.result()
-        except StopAsyncIteration:
-            return
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if step is not None and not step.done():
+            step.cancel()  # its CancelledError closes `chunks` from within
+            await asyncio.wait({step})
+        await chunks.aclose()
 
 
 class _Blocks:
