@@ -235,3 +235,25 @@ def test_a_client_that_hangs_up_during_a_long_prefill_closes_the_request(monkeyp
         return got
 
     assert asyncio.run(hang_up()) == [None, None] and closed == [True]
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_bench_replays_agent_turns_over_the_api(server: ServerProcess, model_name: str, api: str) -> None:
+    """bench serve --dataset agent --api ...: each later turn re-sends the conversation with the tool's
+    result, so it grows, and its prefix is read from the cache."""
+    import asyncio
+
+    import numpy as np
+
+    from minivllm.bench.agent_turns import agent_sessions, per_turn, replay
+    from minivllm.bench.serve import ServeTarget
+    from minivllm.bench.workloads import TextCorpus, load_tokenizer
+
+    rng = np.random.default_rng(0)
+    sessions = agent_sessions(TextCorpus(load_tokenizer(None)[0]), 2, 3, (120, 160), 24, (4, 6), rng, num_tools=2)
+    records, _ = asyncio.run(replay(ServeTarget(server.url, model_name), sessions, api, max_concurrency=2))
+    assert [r.error for r in records] == [None] * 6
+    rows = per_turn(records)
+    assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["requests"] == 2 for r in rows)
+    assert rows[0]["mean_input_tokens"] < rows[1]["mean_input_tokens"] < rows[2]["mean_input_tokens"]
+    assert rows[2]["cached_share"] > 0.5 and all(r["mean_ttft_ms"] > 0 for r in rows)
