@@ -257,3 +257,44 @@ def test_bench_replays_agent_turns_over_the_api(server: ServerProcess, model_nam
     assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["requests"] == 2 for r in rows)
     assert rows[0]["mean_input_tokens"] < rows[1]["mean_input_tokens"] < rows[2]["mean_input_tokens"]
     assert rows[2]["cached_share"] > 0.5 and all(r["mean_ttft_ms"] > 0 for r in rows)
+
+
+def _sse(events: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for e in events:
+        lines = dict(line.split(": ", 1) for line in e.decode().strip().splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_a_thought_then_text_then_a_call_make_contiguous_anthropic_blocks() -> None:
+    """What a reasoning parser and a tool parser give, framed: a thinking block closed by its signature,
+    then text, then a tool_use whose input arrives as fragments; indices 0, 1, 2."""
+    from minivllm.server.messages import _Blocks
+
+    blocks = _Blocks()
+    deltas = [{"reasoning": "Think"}, {"reasoning": "ing."}, {"content": "Calling."},
+              {"tool_calls": [{"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}]
+    events = _sse([e for d in deltas for e in blocks.feed(d)] + blocks.close())
+    starts = [(data["index"], data["content_block"]["type"]) for kind, data in events if kind == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text"), (2, "tool_use")]
+    kinds = [data["delta"]["type"] for kind, data in events if kind == "content_block_delta"]
+    assert kinds == ["thinking_delta", "thinking_delta", "signature_delta", "text_delta", "input_json_delta",
+                     "input_json_delta"]
+    assert [data["index"] for kind, data in events if kind == "content_block_stop"] == [0, 1, 2]
+
+
+def test_responses_items_each_count_content_from_zero() -> None:
+    from minivllm.server.responses import _Output
+
+    out = _Output()
+    events = [e for d in [{"reasoning": "Hm."}, {"content": "Hi"}, {"content": "!"},
+                          {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{}"}}]}]
+              for e in out.feed(d)] + out.close()
+    assert [i["type"] for i in out.items] == ["reasoning", "message", "function_call"]
+    assert {e["content_index"] for e in events if "content_index" in e} == {0}
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [i["id"] for i in out.items]  # the same ids in added, done and the response
+    assert out.items[1]["content"][0]["text"] == "Hi!" and out.items[2]["arguments"] == "{}"

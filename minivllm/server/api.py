@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server over the engine, shaped like vLLM's: its routes.
 
     POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream=true)
+    POST /v1/responses, GET/DELETE /v1/responses/{id}: OpenAI's Responses API (responses.py)
+    POST /v1/messages, /v1/messages/count_tokens: Anthropic's Messages API (messages.py)
     POST /tokenize, /detokenize (vLLM's: answered here, by the tokenizer, without the engine)
     GET  /v1/models, /health, /metrics
     GET  /, /dashboard (and /dashboard/...): the live view of the step loop (dashboard.py)
@@ -8,10 +10,11 @@
 The server talks to an engine client (async_engine.EngineClient): by default the engine runs in its own
 process (core_client.py), so that HTTP, tokenization and detokenization here never take the engine's
 interpreter; `--disable-frontend-multiprocessing` runs it on a thread of this process (AsyncEngine).
-Requests are validated first (protocol.py), and the engine's outputs framed as OpenAI's responses and
-stream chunks (framing.py). Fields the server does not know are accepted and ignored, as vLLM does:
-logged once per name, and listed per response in the `X-Ignored-Fields` header. Errors take OpenAI's
-shape: {"error": {"message", "type", "param", "code"}}.
+Every API surface converts its request into one internal request (serving.py), validated there, and
+frames the engine's outputs in its own shape (framing.py for OpenAI's chunks). Fields the server does
+not know are accepted and ignored, as vLLM does: logged once per name, and listed per response in the
+`X-Ignored-Fields` header. Errors take the API's shape: OpenAI's {"error": {"message", "type", "param",
+"code"}}, Anthropic's under /v1/messages.
 """
 from __future__ import annotations
 

@@ -142,9 +142,9 @@ class Serving:
 
     def tool_output(self, body: ChatCompletionRequest) -> ToolCallOutput | None:
         choice = body.effective_tool_choice
-        if choice == "none":
-            return None
         parser = self.options.tool_call_parser or "hermes"
+        if choice == "none":  # harmony's channels are the answer's structure, tools or not
+            return ToolCallOutput("auto", parser) if parser == "openai" else None
         if isinstance(choice, NamedToolChoice):
             return ToolCallOutput("named", parser, body.named_tool(choice.function.name).name)
         if choice == "auto" and not self.options.enable_auto_tool_choice:
