@@ -69,7 +69,7 @@ stream_max_retries = 0
 stream_idle_timeout_ms = 1800000
 EOF
   (cd "$WORK/codex" && CODEX_HOME="$WORK/codex-home" LOCAL_API_KEY=local \
-    timeout 1800 nice -n 19 "$CLIS/node_modules/.bin/codex" exec --skip-git-repo-check "$TASK" \
+    timeout 1800 nice -n 19 "$CLIS/node_modules/.bin/codex" exec --skip-git-repo-check "$TASK" </dev/null \
     >"$WORK/codex.out" 2>&1)
   local rc=$?
   echo "codex exec exit code: $rc"; echo "--- its answer:"; tail -n 20 "$WORK/codex.out"
