@@ -142,3 +142,24 @@ def test_response_store_evicts_least_recently_used_by_count_and_bytes() -> None:
     store.put({"id": "r4", "output": ["z" * 360]}, [])  # the bytes evict the rest
     assert len(store) == 1 and store.bytes <= 400
     assert store.delete("r4") and store.bytes == 0 and not store.delete("r4")
+
+
+@pytest.mark.parametrize("source", ["chatml_tools", "qwen2.5-coder-0.5b-instruct-q4_k_m"])
+def test_hermes_reads_back_what_a_real_template_renders(source: str) -> None:
+    """A template's own rendering of an assistant's calls (the shipped chatml_tools, Qwen2.5's in its GGUF),
+    cut out of the conversation, parses back into the same calls."""
+    from minivllm.bench.workloads import load_tokenizer
+    from minivllm.model.fetch import fetch
+    from minivllm.server.tools import load_chat_template
+
+    shipped = source == "chatml_tools"
+    tokenizer = load_tokenizer(None if shipped else str(fetch(source)))[0]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}},
+             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": TIME}}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Weather and time?"}, {"role": "assistant", "content": "", "tool_calls": calls}],
+        False, load_chat_template(source) if shipped else None)
+    answer = text.rsplit("<|im_start|>assistant\n", 1)[1].split("<|im_end|>")[0]
+    content, parsed, _ = parse_tool_calls("hermes", answer)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in parsed] == [("get_weather", PARIS),
+                                                                                        ("get_time", TIME)]
