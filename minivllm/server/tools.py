@@ -13,7 +13,8 @@ from importlib import resources
 from pathlib import Path
 
 from minivllm.server.json_scan import PartialCall, scan_calls
-from minivllm.server.tool_parsers import CallDeltas, Parsed, ToolCall, parse_tool_calls, tool_stream
+from minivllm.server.tool_parsers import (CallDeltas, HarmonyStream, MarkerStream, Parsed, ToolCall, parse_tool_calls,
+                                          tool_stream)
 
 SHIPPED_TEMPLATES = ("chatml_tools",)
 
@@ -64,7 +65,7 @@ class ToolCallOutput:
 
     def __init__(self, mode: str, parser: str = "hermes", name: str | None = None) -> None:
         self.mode, self.parser, self.name = mode, parser, name
-        self._streams: dict[int, object] = {}
+        self._streams: dict[int, MarkerStream | HarmonyStream | _ConstrainedStream] = {}
         self._deltas: dict[int, CallDeltas] = {}
 
     def whole(self, text: str) -> tuple[str | None, list[ToolCall], str | None]:
