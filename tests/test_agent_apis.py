@@ -79,11 +79,11 @@ def test_messages_stream_blocks_are_contiguous_with_a_ping(claude: anthropic.Ant
         final = stream.get_final_message()
     assert text == final.content[0].text and final.usage.output_tokens == 12
     body = {"model": model_name, "max_tokens": 4, "messages": ASK, "stream": True,
-            "context_management": {"edits": []}, "output_config": {}, "metadata": {"user_id": "u"}}
+            "context_management": {"edits": []}, "output_config": {}, "metadata": {"user_id": "u"}, "caf\u00e9": 1}
     with httpx.stream("POST", f"{server.url}/v1/messages?beta=true", json=body, timeout=60) as r:
         raw = r.read().decode()
         ignored = r.headers["x-ignored-fields"]
-    assert {"context_management", "output_config", "metadata"} <= set(ignored.split(", "))
+    assert {"context_management", "output_config", "metadata", "caf\\xe9"} <= set(ignored.split(", "))
     names = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
     assert names[:2] == ["message_start", "ping"] and "[DONE]" not in raw
 

@@ -220,7 +220,8 @@ def ignored_header(ignored: list[str]) -> dict[str, str]:
     if new:
         _logged_ignored.update(new)
         logger.warning("ignoring unknown request fields (logged once each): %s", ", ".join(new))
-    return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else {}
+    # Headers are latin-1: a field or tool name a client wrote in another script is escaped, not a 500.
+    return {IGNORED_FIELDS_HEADER: ", ".join(ignored).encode("ascii", "backslashreplace").decode()} if ignored else {}
 
 
 def known_ignored(body: BaseModel, accepted: tuple[str, ...]) -> list[str]:
