@@ -13,7 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.test_server import MAX_MODEL_LEN, ServerProcess, model_name, server_fixture  # noqa: F401 (fixtures)
+from tests.test_server import (ABORTED, MAX_MODEL_LEN, ServerProcess, model_name, scrape,  # noqa: F401 (fixtures)
+                               server_fixture, wait_idle)
 
 server = server_fixture("--chat-template", "chatml_tools", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
@@ -122,6 +123,32 @@ def test_huge_bodies_and_unknown_models_in_each_apis_shape(server: ServerProcess
         claude.messages.create(model="no-such-model", max_tokens=4, messages=ASK)
     assert e.value.body["error"]["type"] == "not_found_error"
     assert claude.messages.create(model=model_name, max_tokens=2, messages=ASK).content  # still serving
+
+
+LONG = {"type": "object", "properties": {"story": {"type": "string", "minLength": 600}}, "required": ["story"]}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/messages", {"max_tokens": 800, "messages": ASK, "tool_choice": {"type": "tool", "name": "tell"},
+                      "tools": [{"name": "tell", "input_schema": LONG}]}),
+    ("/v1/responses", {"max_output_tokens": 800, "input": "Tell a story.", "tool_choice": {"type": "function", "name": "tell"},
+                       "tools": [{"type": "function", "name": "tell", "parameters": LONG}]}),
+])
+def test_a_dropped_stream_is_aborted_and_frees_its_blocks(server: ServerProcess, model_name: str, path: str,
+                                                          body: dict) -> None:
+    """The tool's schema makes the answer long; the client hangs up after a few events."""
+    before = wait_idle(server.url)
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.url + path,
+                                                       json={"model": model_name, "stream": True, **body}) as r:
+        deltas = 0
+        for line in r.iter_lines():
+            deltas += line.startswith("data: ") and 'delta"' in line  # content_block_delta, *.arguments.delta
+            if deltas == 3:
+                break
+    after = wait_idle(server.url)
+    assert after.get(ABORTED, 0) == before.get(ABORTED, 0) + 1
+    assert after["minivllm:kv_cache_usage_perc"] == 0
+    assert after["minivllm:generation_tokens_total"] - before["minivllm:generation_tokens_total"] < 600
 
 
 # -- Responses ---------------------------------------------------------------------------------------------------
