@@ -42,8 +42,8 @@ def validation_error(e: ValidationError, prefix: str = "") -> APIError:
     parts, params = [], []
     for err in e.errors()[:3]:
         loc = err["loc"]
-        path = prefix + ".".join(str(x) for k, x in enumerate(loc)
-                                 if not (x in _UNION_TAGS and k and isinstance(loc[k - 1], int)))
+        path = prefix + ".".join(str(x) for k, x in enumerate(loc)  # a tag sits between an index and a field
+                                 if not (x in _UNION_TAGS and 0 < k < len(loc) - 1 and isinstance(loc[k - 1], int)))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
