@@ -22,6 +22,7 @@ import numpy as np
 
 from minivllm.bench.serve import ServeTarget
 from minivllm.bench.workloads import TextCorpus
+from minivllm.server.messages_protocol import arguments_object
 
 APIS = ("messages", "responses")
 
@@ -103,7 +104,7 @@ class _Conversation:
                                   ["name"], "arguments": json.dumps({"query": "next"})}]
         if self.api == "messages":
             content = ([{"type": "text", "text": answer.text}] if answer.text else []) + [
-                {"type": "tool_use", "id": c["id"], "name": c["name"], "input": _object(c["arguments"])}
+                {"type": "tool_use", "id": c["id"], "name": c["name"], "input": arguments_object(c["arguments"])}
                 for c in calls]
             self.history += [{"role": "assistant", "content": content}, {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": c["id"], "content": tool_result} for c in calls]}]
@@ -114,14 +115,6 @@ class _Conversation:
             self.history += [{"type": "function_call", "call_id": c["id"], "name": c["name"],
                               "arguments": c["arguments"]},
                              {"type": "function_call_output", "call_id": c["id"], "output": tool_result}]
-
-
-def _object(arguments: str) -> dict:
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:

@@ -11,7 +11,6 @@ stream and as an `error` event within it.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 import uuid
@@ -24,8 +23,8 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
 from minivllm.frontend.async_engine import EngineDeadError
-from minivllm.server.messages_protocol import (ACCEPTED_IGNORED, CountTokensRequest, MessagesRequest, chat_request,
-                                               function_tools, json_text)
+from minivllm.server.messages_protocol import (ACCEPTED_IGNORED, CountTokensRequest, MessagesRequest,
+                                               arguments_object, chat_request, function_tools, json_text)
 from minivllm.server.protocol import APIError, parse_request
 from minivllm.server.serving import Serving, Submitted, ignored_header, known_ignored, read_body
 
@@ -103,7 +102,7 @@ class MessagesAPI:
             content.append({"type": "text", "text": m.content})
         for call in m.tool_calls:
             content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                            "input": _input(call["function"]["arguments"])})
+                            "input": arguments_object(call["function"]["arguments"])})
         reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason)
         return {"id": message_id, "type": "message", "role": "assistant", "model": sub.base["model"],
                 "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": self._usage(sub)}
@@ -206,10 +205,3 @@ class _Blocks:
 def _signature() -> str:
     """An opaque thinking signature (nothing checks it here; clients want one)."""
     return secrets.token_hex(16)
-
-
-def _input(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return {}

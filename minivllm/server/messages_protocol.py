@@ -228,3 +228,12 @@ def chat_request(body: CountTokensRequest, tools: list[dict], stream: bool = Fal
 
 def json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def arguments_object(arguments: str) -> dict:
+    """A tool call's JSON arguments as tool_use's `input` (an object; {} for what is not one)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
