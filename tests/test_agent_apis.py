@@ -13,8 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.test_server import (ABORTED, MAX_MODEL_LEN, ServerProcess, model_name, scrape,  # noqa: F401 (fixtures)
-                               server_fixture, wait_idle)
+from tests.test_server import (ABORTED, API_KEY, MAX_MODEL_LEN, ServerProcess, gated_server,  # noqa: F401 (fixtures)
+                               model_name, server_fixture, wait_idle)
 
 server = server_fixture("--chat-template", "chatml_tools", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
@@ -149,6 +149,27 @@ def test_a_dropped_stream_is_aborted_and_frees_its_blocks(server: ServerProcess,
     assert after.get(ABORTED, 0) == before.get(ABORTED, 0) + 1
     assert after["minivllm:kv_cache_usage_perc"] == 0
     assert after["minivllm:generation_tokens_total"] - before["minivllm:generation_tokens_total"] < 600
+
+
+def test_anthropic_keys_and_a_full_queue_in_anthropics_shape(gated_server: ServerProcess) -> None:
+    """--api-key as Anthropic's clients send it (x-api-key); a full waiting queue is overloaded_error."""
+    url = gated_server.url
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.count_tokens(model="m", messages=ASK)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    claude = anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0, timeout=120)
+    name = httpx.get(f"{url}/v1/models", headers={"x-api-key": API_KEY}).json()["data"][0]["id"]
+    assert claude.messages.count_tokens(model=name, messages=ASK).input_tokens > 0
+    body = {"prompt": "Count to a thousand:", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, headers={"x-api-key": API_KEY}) as http:  # max_num_seqs 1, max_waiting 1
+        with http.stream("POST", f"{url}/v1/completions", json=body) as running:
+            lines = running.iter_lines()  # kept: a dropped iterator closes the connection, which aborts
+            next(line for line in lines if line.startswith("data: "))
+            with http.stream("POST", f"{url}/v1/completions", json=body) as waiting:
+                assert waiting.status_code == 200
+                with pytest.raises(anthropic.APIStatusError) as e:
+                    claude.messages.create(model=name, max_tokens=1, messages=ASK)
+    assert e.value.status_code == 503 and e.value.body["error"]["type"] == "overloaded_error"
 
 
 # -- Responses ---------------------------------------------------------------------------------------------------
