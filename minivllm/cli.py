@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.model.loader import resolve_model_path
     from minivllm.server import ServerOptions, serve
     from minivllm.server.lora_routes import parse_lora_modules
+    from minivllm.config import parse_size
     from minivllm.server.tools import load_chat_template
     from minivllm.startup import process_age, timed
 
@@ -135,7 +136,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = ServerOptions(args.served_model_name or config.model or resolve_model_path(None).stem, args.api_key,
                             args.max_waiting_requests, load_chat_template(args.chat_template),
                             args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser,
-                            parse_lora_modules(args.lora_modules or []))
+                            parse_lora_modules(args.lora_modules or []), args.response_store_max_entries,
+                            parse_size(args.response_store_max_bytes))
     if options.lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if args.disable_frontend_multiprocessing:
@@ -238,7 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None,
-                   help="how tool calls are read out of the model's text (hermes: <tool_call>{json}</tool_call>)")
+                   help="how tool calls are read out of the model's text, by family: hermes, llama3_json, mistral, "
+                        "granite, phi4_mini_json, openai (gpt-oss harmony)")
+    p.add_argument("--response-store-max-entries", type=int, default=1000,
+                   help="/v1/responses kept in memory for GET and previous_response_id (least recently used "
+                        "evicted first; a restart forgets them)")
+    p.add_argument("--response-store-max-bytes", default="64MiB", help="the response store's bound in bytes")
     p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served beside the base (needs --enable-lora): name=path or "
                         '{"name": ..., "path": ...}; a request picks one by its model field')

@@ -179,3 +179,24 @@ def test_a_replica_that_stops_answering_leaves_rotation_nothing_hangs_and_it_rej
         time.sleep(0.5)
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
                       timeout=60).status_code == 200
+
+
+def test_agent_apis_are_keyed_by_their_prompt_and_prompt_cache_key() -> None:
+    """A Responses conversation's turns (Codex CLI sends its thread id as prompt_cache_key) go where the
+    first went, even when little of the prompt is shared; a Messages request is keyed by its system
+    prompt, tools and messages."""
+    router = Router.create("prefix-aware", ["r0", "r1"], block_size=BYTES_PER_BLOCK, max_blocks=MAX_BLOCKS)
+
+    def route(request_id: str, path: str, body: dict) -> int:
+        k = RoutingKey.of(path, json.dumps(body).encode())
+        return router.route(request_id, k.units, k.max_tokens, k.prompt_tokens + k.max_tokens, k.salt)
+
+    thread = {"prompt_cache_key": "thread-1", "max_output_tokens": 64}
+    first = route("a", "/v1/responses", {**thread, "input": "short"})
+    assert route("b", "/v1/responses", {"input": "short too", "max_output_tokens": 64}) != first  # least loaded
+    assert route("c", "/v1/responses", {**thread, "input": "another short turn"}) == first
+    claude = {"system": SYSTEM, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+    there = route("d", "/v1/messages", claude)
+    assert route("e", "/v1/messages", {**claude, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) == there
+    assert RoutingKey.of("/v1/messages", json.dumps(claude).encode()).max_tokens == 32

@@ -11,7 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-from minivllm.server.tools import HermesStream, parse_hermes
 from tests.test_server import ServerProcess, client, model_name, server_fixture  # noqa: F401 (fixtures)
 
 # The same fixtures as test_server.py's, over a server with the tool-aware template and parser.
@@ -168,41 +167,6 @@ def test_tool_results_round_trip_and_auto(client: openai.OpenAI, model_name: str
     none = client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER], tool_choice="none",
                                           max_tokens=10).choices[0]
     assert not none.message.tool_calls and none.finish_reason != "tool_calls"
-
-
-# Outputs as a small model writes them in the Hermes format, recorded.
-HERMES_RECORDED = [
-    ("It is sunny.", "It is sunny.", []),
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
-     None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
-    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
-     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
-     "Let me check.", [("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "CET"})]),
-    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
-    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call>', None, []),  # broken: stays content
-]
-
-
-@pytest.mark.parametrize("text,content,calls", HERMES_RECORDED)
-def test_hermes_parser_whole_and_streamed(text: str, content: str | None, calls: list) -> None:
-    got_content, got_calls = parse_hermes(text)
-    if calls:
-        assert got_content == content
-        assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
-    else:
-        assert (got_content, got_calls) == (text, [])
-    for size in (1, 3, 7):  # any split of the stream gives the same content and calls
-        stream, streamed_content, streamed_calls = HermesStream(), "", []
-        pieces = [text[i:i + size] for i in range(0, len(text), size)]
-        for k, piece in enumerate(pieces):
-            c, found = stream.feed(piece, k == len(pieces) - 1)
-            streamed_content += c
-            streamed_calls += found
-        assert [(c.name, json.loads(c.arguments)) for c in streamed_calls] == calls
-        if calls:
-            assert streamed_content.strip() == (content or "")
-        else:
-            assert streamed_calls == []
 
 
 def test_unknown_fields_are_ignored_and_reported(server: ServerProcess, model_name: str) -> None:

@@ -9,6 +9,7 @@ import math
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from minivllm.bench.quality import DEFAULT_TEXT
 from minivllm.bench.workloads import (TextCorpus, add_workload_args, build_workload, load_tokenizer, mixed_requests,
                                       requests_as_dicts, with_arrivals, workload_spec)
 from minivllm.config import KV_CACHE_DTYPES, EngineConfig
+
+if TYPE_CHECKING:
+    from minivllm.bench.serve import ServeTarget
 
 
 # -- throughput -----------------------------------------------------------------------------------------
@@ -67,6 +71,30 @@ def cmd_latency(args: argparse.Namespace) -> None:
 
 
 # -- serve ----------------------------------------------------------------------------------------------
+def serve_agent_turns(args: argparse.Namespace, spec: dict, target: ServeTarget, corpus: TextCorpus,
+                      rng: np.random.Generator) -> None:
+    """--dataset agent over the Messages or Responses API: conversations replayed turn by turn."""
+    from minivllm.bench.agent_turns import agent_sessions, per_turn, per_turn_text, replay
+
+    if spec["dataset"] != "agent":
+        raise ValueError("--api messages|responses replays --dataset agent")
+    turns = max(1, spec["num_prompts"] // spec["num_prefixes"])
+    sessions = agent_sessions(corpus, spec["num_prefixes"], turns, spec["input_len_range"], spec["turn_len"],
+                              spec["output_len_range"], rng)
+    print(f"{spec['num_prefixes']} conversations of {turns} turns over /v1/{args.api}, "
+          f"max concurrency {args.max_concurrency}", flush=True)
+    records, duration = asyncio.run(replay(target, sessions, args.api, args.max_concurrency))
+    rows = per_turn(records)
+    print(per_turn_text(rows))
+    print(f"Duration: {duration:.1f} s")
+    for r in records:
+        if r.error:
+            print(f"failed turn {r.turn + 1} of conversation {r.conversation}: {r.error}", file=sys.stderr)
+    write_json(args.output_json, {"workload": spec | {"api": args.api, "turns": turns}, "base_url": target.base_url,
+                                  "model": target.model, "duration_s": duration, "per_turn": rows,
+                                  "records": [asdict(r) for r in records]})
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.bench.metrics import mean_time_breakdown, parse_goodput, serving_metrics
     from minivllm.bench.report import serving_text
@@ -82,6 +110,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          tuple(args.lora_modules or ()), args.lora_field)
     tokenizer, _ = load_tokenizer(args.model)
     rng = np.random.default_rng(spec["seed"])
+    if args.api != "completions":
+        serve_agent_turns(args, spec, target, TextCorpus(tokenizer), rng)
+        return
     requests = with_arrivals(build_workload(spec, tokenizer, rng), args.request_rate, args.burstiness, rng)
     print(f"Traffic request rate: {args.request_rate}, burstiness: {args.burstiness}, "
           f"max concurrency: {args.max_concurrency}", flush=True)
@@ -322,6 +353,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times: 1 is Poisson, < 1 burstier, > 1 more regular")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--api", choices=("completions", "messages", "responses"), default="completions",
+                   help="messages, responses: replay --dataset agent as an agent's turns over that API (tool "
+                        "schemas, tool results between turns), --num-prefixes conversations of "
+                        "--num-prompts / --num-prefixes turns; per-turn TTFT, TPOT and cached-token share")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
                    help="LoRA adapters taken in turn, request by request (the probe request runs on the base)")
     p.add_argument("--lora-field", choices=("model", "lora"), default="model",

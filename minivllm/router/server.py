@@ -1,6 +1,9 @@
 """The HTTP router: one OpenAI-compatible front over `minivllm serve` replicas that run anywhere.
 
-    POST /v1/completions, /v1/chat/completions: routed by the policy (policies.py), streamed through
+    POST /v1/completions, /v1/chat/completions, /v1/messages (+/count_tokens), /v1/responses: routed by
+         the policy (policies.py), streamed through. A Responses request's `prompt_cache_key` (Codex CLI
+         sends its thread's id) is its routing key: a conversation's turns meet their cached prefix.
+         Stored responses stay on the replica that made them (no GET /v1/responses/{id} here).
     GET  /v1/models: the first replica up answers;  /health: each replica;  /metrics: every replica's,
          each sample labelled `replica="URL"`, plus the router's own
 
@@ -16,6 +19,7 @@ OpenAI error object and `[DONE]`. A replica that passes a health check again rej
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import signal
@@ -46,8 +50,15 @@ T = TypeVar("T")
 BYTES_PER_BLOCK = 64  # ~16 tokens of English text: an engine KV block
 MAX_BLOCKS = 32  # a prefix match looks at the first 2 KiB
 BYTES_PER_TOKEN = 4  # for the load estimate of a prompt the router does not tokenize
-DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
-PASSED_REQUEST_HEADERS = ("authorization", "content-type")
+DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256, "/v1/messages": 256,
+                      "/v1/messages/count_tokens": 0, "/v1/responses": 256}
+# Where each API keeps its prompt (in the order the chat template renders it), and its output bound.
+_ANTHROPIC_PROMPT = ("system", "tools", "messages")
+PROMPT_FIELDS = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",),
+                 "/v1/messages": _ANTHROPIC_PROMPT, "/v1/messages/count_tokens": _ANTHROPIC_PROMPT,
+                 "/v1/responses": ("instructions", "tools", "input")}
+MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+PASSED_REQUEST_HEADERS = ("authorization", "content-type", "x-api-key", "anthropic-version", "anthropic-beta")
 PASSED_RESPONSE_HEADERS = ("content-type", "x-ignored-fields")
 REPLICA_HEADER = "X-Minivllm-Replica"  # which replica answered (the last one tried)
 
@@ -91,13 +102,17 @@ class RoutingKey:
             request = None
         if not isinstance(request, dict):  # the replica will answer 400: any replica will do
             return cls([], 0, 0)
-        prompt = request.get("prompt") if path == "/v1/completions" else request.get("messages")
+        fields = [request.get(name) for name in PROMPT_FIELDS[path]]
+        prompt = fields[0] if len(fields) == 1 else [f for f in fields if f is not None]
+        cache_key = request.get("prompt_cache_key")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             units = prompt  # token ids already
         else:
             units = list(json.dumps(prompt, ensure_ascii=False).encode())
-        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
-        if not isinstance(max_tokens, int):
+        if isinstance(cache_key, str):  # one whole block of its own: the same key, the same replica
+            units = list(hashlib.sha256(cache_key.encode()).hexdigest().encode())[:BYTES_PER_BLOCK] + units
+        max_tokens = next((v for v in map(request.get, MAX_TOKENS_FIELDS) if isinstance(v, int)), None)
+        if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS[path]
         model = request.get("model")
         return cls(units[:MAX_BLOCKS * BYTES_PER_BLOCK], max_tokens,
@@ -350,8 +365,8 @@ def build_router_app(options: RouterOptions) -> FastAPI:
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics)
     app.get("/v1/models")(server.models)
-    app.post("/v1/completions")(server.generate)
-    app.post("/v1/chat/completions")(server.generate)
+    for path in PROMPT_FIELDS:
+        app.post(path)(server.generate)
 
     add_error_handlers(app)
     return app

@@ -273,7 +273,8 @@ class ChatFormatter(Formatter):
 
     def _choice(self, d: Delta) -> ChatChoice:
         thought, text = split_reasoning(self.reasoning_parser, d.text) if self.reasoning_parser else (None, d.text)
-        content, calls = self.tools.whole(text or "") if self.tools else (text, [])
+        content, calls, parsed_thought = self.tools.whole(text or "") if self.tools else (text, [], None)
+        thought = thought or parsed_thought
         message = ChatResponseMessage(content=content, tool_calls=[c.openai() for c in calls], reasoning=thought,
                                       reasoning_content=thought)
         return ChatChoice(index=d.index, message=message, logprobs=self._logprobs(d),
@@ -298,7 +299,8 @@ class ChatFormatter(Formatter):
         if self.tools is None:
             delta: dict[str, Any] = {"content": text} if text or not thought else {}
         else:  # tool calls are held back until they parse: a step may have nothing to send
-            content, calls = self.tools.stream(d.index, text, d.finish_reason is not None)
+            content, calls, parsed_thought = self.tools.stream(d.index, text, d.finish_reason is not None)
+            thought += parsed_thought
             delta = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = calls
@@ -320,16 +322,27 @@ def sse_event(chunk: BaseModel) -> bytes:
     return format_sse_event(data_str=chunk.model_dump_json())
 
 
-async def stream_events(stream: RequestStream, tracker: ChoiceTracker, fmt: Formatter, base: dict[str, Any],
-                        include_usage: bool, num_choices: int, received: float) -> AsyncIterator[bytes]:
-    """One event per choice per engine step, then the usage (and the time breakdown), then [DONE]; if the
-    engine dies meanwhile, an error object before [DONE]. A client that hangs up cancels this, which aborts."""
+async def stream_chunks(stream: RequestStream, tracker: ChoiceTracker, fmt: Formatter, base: dict[str, Any],
+                        num_choices: int) -> AsyncIterator[BaseModel]:
+    """The chunks of a streamed request: one per choice per engine step (raises EngineDeadError if the
+    engine dies meanwhile). Closing this (a client that hung up) aborts the requests."""
     try:
         for chunk in fmt.stream_start(base, num_choices):
-            yield sse_event(chunk)
+            yield chunk
         async for out in stream:
             if (d := tracker.delta(out)) is not None and (chunk := fmt.chunk(base, d)) is not None:
-                yield sse_event(chunk)
+                yield chunk
+    finally:
+        stream.close()
+
+
+async def stream_events(chunks: AsyncIterator[BaseModel], tracker: ChoiceTracker, fmt: Formatter,
+                        base: dict[str, Any], include_usage: bool, received: float) -> AsyncIterator[bytes]:
+    """OpenAI's stream: the chunks, then the usage (and the time breakdown), then [DONE]; if the engine
+    dies meanwhile, an error object before [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
         if include_usage:
             last = fmt.chunk(base, None, tracker.usage()).model_dump()
             last["time_breakdown_ms"] = tracker.time_breakdown_ms(received, time.perf_counter())
@@ -337,5 +350,5 @@ async def stream_events(stream: RequestStream, tracker: ChoiceTracker, fmt: Form
     except EngineDeadError as e:
         yield format_sse_event(data_str=json.dumps(APIError(503, str(e), None, "engine_dead").body()))
     finally:
-        stream.close()
+        await chunks.aclose()
     yield format_sse_event(data_str="[DONE]")

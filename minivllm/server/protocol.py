@@ -32,11 +32,18 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def validation_error(e: ValidationError) -> APIError:
+# The tags pydantic puts in an error's path inside a discriminated union: not part of the request's path.
+_UNION_TAGS = ("message", "function_call", "function_call_output", "reasoning", "text", "image", "document",
+               "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
+def validation_error(e: ValidationError, prefix: str = "") -> APIError:
     """One message naming each bad field (at most three), e.g. 'messages.0.role: Input should be ...'."""
     parts, params = [], []
     for err in e.errors()[:3]:
-        path = ".".join(str(x) for x in err["loc"])
+        loc = err["loc"]
+        path = prefix + ".".join(str(x) for k, x in enumerate(loc)  # a tag sits between an index and a field
+                                 if not (x in _UNION_TAGS and 0 < k < len(loc) - 1 and isinstance(loc[k - 1], int)))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
@@ -337,6 +344,14 @@ class ChatCompletionRequest(GenerationRequest):
 def parse_request(model: type[_Strict], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def parse_model(model: type[_Strict], value: Any) -> Any:
+    """A request built by a converter (Messages, Responses -> chat), validated as a client's would be."""
+    try:
+        return model.model_validate(value)
     except ValidationError as e:
         raise validation_error(e) from None
 

@@ -10,7 +10,7 @@ vLLM's parsers of the same names put the thought in the message's `reasoning` fi
 """
 from __future__ import annotations
 
-from minivllm.server.tools import held_back
+from minivllm.server.tool_parsers import held_back
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
