@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -352,10 +353,18 @@ def test_dropped_stream_is_aborted_and_frees_blocks(server: ServerProcess, model
 
 
 def test_dropped_non_streamed_request_is_aborted(server: ServerProcess, model_name: str) -> None:
+    """The client hangs up while its request runs (a client-side timeout, as users have): the server notices
+    and aborts it. The hang-up waits until the request runs, so that a slow machine cannot make it early."""
     before = wait_idle(server.url)
-    body = {"model": model_name, "prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.5)
+    body = json.dumps({"model": model_name, "prompt": "Tell me a long story.", "max_tokens": 1000,
+                       "ignore_eos": True}).encode()
+    host, port = httpx.URL(server.url).host, httpx.URL(server.url).port
+    with socket.create_connection((host, port)) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 60
+        while scrape(server.url)["minivllm:num_requests_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
     after = wait_idle(server.url)
     assert after.get(ABORTED, 0) == before.get(ABORTED, 0) + 1
     assert after["minivllm:kv_cache_usage_perc"] == 0
