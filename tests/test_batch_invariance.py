@@ -19,11 +19,17 @@ CROWD = [f"Write a short story about a {a} who finds a {b}." * r
                                      ("baker", "letter"), ("king", "coin"), ("fox", "song"), ("miner", "lamp")], 1)]
 
 
+# The crowd's requests end one by one (8, 11, ... 29 tokens) while the probes decode theirs: every probe
+# shares steps with a shrinking batch, at shifting positions, for all of its 16 tokens.
+PROBE_TOKENS = 16
+
+
 def probe_params(i: int) -> SamplingParams:
     """Probe i of PROBES runs greedy, probe len(PROBES) + i the same prompt seeded."""
     if i < len(PROBES):
-        return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=24, ignore_eos=True, logprobs=5)
+        return SamplingParams(temperature=0, max_tokens=PROBE_TOKENS, ignore_eos=True, logprobs=5)
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=PROBE_TOKENS, ignore_eos=True,
+                          logprobs=5)
 
 
 NUM_PROBES = 2 * len(PROBES)
@@ -37,7 +43,7 @@ def run(llm: LLM) -> list[tuple[list[int], list[Any]]]:
     """The probes' (tokens, per-step logprobs), all run together among the crowd's requests (the crowd
     first, with other lengths: the probes sit at other positions in every step)."""
     prompts = CROWD + [PROBES[i % len(PROBES)] for i in range(NUM_PROBES)]
-    params = ([SamplingParams(temperature=0.7, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(CROWD))]
+    params = ([SamplingParams(temperature=0.7, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(CROWD))]
               + [probe_params(i) for i in range(NUM_PROBES)])
     outs = llm.generate(prompts, params, use_tqdm=False)[-NUM_PROBES:]
     assert_idle(llm.engine)
