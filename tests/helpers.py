@@ -167,6 +167,40 @@ def mismatch_report(hf_model: Any, prompt_ids: list[int], ours: list[int], refer
             f"reference logit gap {gap:.3g} (ours {ours[:i + 1]}, reference {reference[:i + 1]})")
 
 
+# -- a family's engine against transformers (test_families.py, test_moe.py) ----------------------------
+FAMILY_NEW_TOKENS = 8
+SHORT_PROMPT = "The capital of France is"
+
+
+def family_engine(path: Path, dtype: str = "float32", **engine_args: Any) -> Any:
+    """An engine on a tiny checkpoint, with 16-token chunks (the long prompt's prefill runs in pieces
+    that start inside the window) and prefix caching on."""
+    from minivllm import LLM
+
+    return LLM(model=str(path), dtype=dtype, **{"num_kv_blocks": 64, "max_num_batched_tokens": 16,
+                                                "enable_chunked_prefill": True, "enable_prefix_caching": True,
+                                                **engine_args})
+
+
+def family_prompts(llm: Any) -> list[list[int]]:
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(SHORT_PROMPT), tokenizer.encode(LONG_PROMPT)[:80]]
+    assert len(prompts[1]) > 3 * TINY_WINDOW
+    return prompts
+
+
+def assert_family_matches(llm: Any, reference: HFGreedy) -> None:
+    """Greedy tokens equal transformers' on the short and long prompts, then on the long one again,
+    read from the prefix cache; no block left held."""
+    prompts = family_prompts(llm)
+    for batch in (prompts, prompts[1:]):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(FAMILY_NEW_TOKENS), use_tqdm=False)
+        for out, expected in zip(outputs, reference.many(batch, FAMILY_NEW_TOKENS)):
+            ours = out.outputs[0].token_ids
+            assert ours == expected, mismatch_report(reference.model, out.prompt_token_ids, ours, expected)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 # -- tiny random Hugging Face checkpoints, one per family -------------------------------------------
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -186,6 +220,7 @@ def tiny_config(kind: str) -> Any:
 
     sizes = TINY_SIZES
     # query_pre_attn_scalar = head_dim: llama.cpp's converter does not write it, and its Gemma code takes head_dim.
+    moe = dict(sizes, num_hidden_layers=3, num_experts_per_tok=2)
     gemma = dict(sizes, head_dim=32, query_pre_attn_scalar=32, sliding_window=TINY_WINDOW, tie_word_embeddings=True)
     return {
         "llama": lambda: t.LlamaConfig(**sizes),
@@ -207,6 +242,15 @@ def tiny_config(kind: str) -> Any:
         "smollm3": lambda: t.SmolLM3Config(**{**sizes, "num_hidden_layers": 4}, pad_token_id=0),
         "granite": lambda: t.GraniteConfig(**sizes, embedding_multiplier=4.0, attention_multiplier=0.2,
                                            residual_multiplier=0.5, logits_scaling=2.0),
+        # Mixtures of experts: 2 of 4 experts per token, over 3 layers.
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**moe, head_dim=32, moe_intermediate_size=32, num_experts=4,
+                                              norm_topk_prob=True, mlp_only_layers=[1]),  # a dense layer between
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(**moe, moe_intermediate_size=32, num_experts=4,
+                                              shared_expert_intermediate_size=48),
+        "olmoe": lambda: t.OlmoeConfig(**moe, num_experts=4, clip_qkv=3.0),  # the weights unrenormalized
+        "mixtral": lambda: t.MixtralConfig(**moe, num_local_experts=4, sliding_window=TINY_WINDOW),
+        "granitemoe": lambda: t.GraniteMoeConfig(**moe, num_local_experts=4, embedding_multiplier=4.0,
+                                                 attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0),
     }[kind]()
 
 

@@ -64,12 +64,12 @@ def _run(script: str, args: list[str]) -> None:
         raise RuntimeError(f"{script} failed ({result.returncode}):\n{result.stderr[-4000:]}")
 
 
-# convert_hf_to_gguf.main() once per pair of argv's MODEL_DIR OUT MODEL_DIR OUT ..., after OUTTYPE.
+# convert_hf_to_gguf.main() once per triple of argv's MODEL_DIR OUT OUTTYPE MODEL_DIR OUT OUTTYPE ...
 _CONVERT_MANY = """
 import sys
 import convert_hf_to_gguf
-outtype, pairs = sys.argv[1], sys.argv[2:]
-for model_dir, out in zip(pairs[::2], pairs[1::2]):
+jobs = sys.argv[1:]
+for model_dir, out, outtype in zip(jobs[::3], jobs[1::3], jobs[2::3]):
     sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outfile", out, "--outtype", outtype]
     convert_hf_to_gguf.main()
 """
@@ -81,10 +81,10 @@ def convert_hf(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     return out
 
 
-def convert_hf_many(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> None:
-    """convert_hf for each (MODEL_DIR, OUT), in one process: the converter's imports (torch, transformers
-    and its classes, seconds on a small machine) are paid once, not once per model."""
-    _run("-c", [_CONVERT_MANY, outtype, *(str(p) for job in jobs for p in job)])
+def convert_hf_many(jobs: list[tuple[Path, Path] | tuple[Path, Path, str]], outtype: str = "f32") -> None:
+    """convert_hf for each (MODEL_DIR, OUT) or (MODEL_DIR, OUT, OUTTYPE), in one process: the converter's
+    imports (torch, transformers and its classes, seconds on a small machine) are paid once, not once per model."""
+    _run("-c", [_CONVERT_MANY, *(str(p) for job in jobs for p in (*job[:2], job[2] if len(job) > 2 else outtype))])
 
 
 def convert_lora(adapter_dir: Path, base_dir: Path, out: Path, outtype: str = "f32") -> Path:

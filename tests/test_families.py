@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from minivllm import LLM
 from minivllm.model import registry
 from minivllm.model.gguf_file import GGUFFile
 from minivllm.model.build import build_model
@@ -28,13 +27,12 @@ from minivllm.model.hf_reader import read_hf_config
 from minivllm.model.loader import load_checkpoint
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.tokenizer import get_tokenizer
-from tests.helpers import (EQUALITY_PROMPTS, GEMMA_SPECIAL_IDS, LONG_PROMPT, TINY_WINDOW, HFGreedy, greedy,
-                           mismatch_report, save_tiny_model, sentencepiece_tokenizer, tiny_config)
+from tests.helpers import (EQUALITY_PROMPTS, GEMMA_SPECIAL_IDS, FAMILY_NEW_TOKENS, HFGreedy, assert_family_matches,
+                           family_engine, family_prompts, greedy, save_tiny_model, sentencepiece_tokenizer,
+                           tiny_config)
 from tests.llama_cpp import convert_hf_many
 
 FAMILIES = ["llama3.2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
-NEW_TOKENS = 8
-SHORT_PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
@@ -61,37 +59,13 @@ def _gguf(checkpoints: dict, kind: str) -> Path:
     return out[kind]
 
 
-def _engine(path: Path, dtype: str = "float32") -> LLM:
-    # 16-token chunks: the long prompt's prefill runs in pieces that start inside the window.
-    return LLM(model=str(path), dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=16, enable_chunked_prefill=True,
-               enable_prefix_caching=True)
-
-
-def _prompts(llm: LLM) -> list[list[int]]:
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(SHORT_PROMPT), tokenizer.encode(LONG_PROMPT)[:80]]
-    assert len(prompts[1]) > 3 * TINY_WINDOW
-    return prompts
-
-
-def _assert_matches_transformers(llm: LLM, reference: HFGreedy) -> None:
-    prompts = _prompts(llm)
-    # The long prompt twice, one after the other: the second reads its prefix from the cache.
-    for batch in (prompts, prompts[1:]):
-        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(NEW_TOKENS), use_tqdm=False)
-        for out, expected in zip(outputs, reference.many(batch, NEW_TOKENS)):
-            ours = out.outputs[0].token_ids
-            assert ours == expected, mismatch_report(reference.model, out.prompt_token_ids, ours, expected)
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-
-
 @pytest.mark.parametrize("kind, fmt", [(k, f) for k in FAMILIES for f in ("hf", "gguf")])
 def test_greedy_matches_transformers(kind: str, fmt: str, checkpoints: dict) -> None:
     path, reference = checkpoints[kind]
-    llm = _engine(path if fmt == "hf" else _gguf(checkpoints, kind))
+    llm = family_engine(path if fmt == "hf" else _gguf(checkpoints, kind))
     assert llm.engine.model_config.architecture == kind.split(".")[0].removesuffix("3.2").replace("llama3", "llama")
     assert llm.engine.runner.batch_invariant  # every switch runs on the native kernels
-    _assert_matches_transformers(llm, reference)
+    assert_family_matches(llm, reference)
 
 
 def _switches(config: ModelConfig) -> tuple[list, dict]:
@@ -153,9 +127,9 @@ def test_sentencepiece_gguf_tokenizer(checkpoints: dict) -> None:
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_bf16_reproducible_alone_and_in_a_crowd(kind: str, checkpoints: dict) -> None:
-    llm = _engine(checkpoints[kind][0], "bfloat16")
-    prompts = _prompts(llm)
-    params = greedy(NEW_TOKENS)
+    llm = family_engine(checkpoints[kind][0], "bfloat16")
+    prompts = family_prompts(llm)
+    params = greedy(FAMILY_NEW_TOKENS)
     alone = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0].outputs[0].token_ids
     crowd = [{"prompt_token_ids": p} for p in [prompts[0], prompts[1], prompts[1][:40], prompts[0] * 3]]
     together = llm.generate(crowd, params, use_tqdm=False)
@@ -174,14 +148,14 @@ def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
     """The torch path (MINIVLLM_NO_KERNELS, CUDA) of the switches: softcaps and windows in attention.py,
     q/k norms, GeGLU, partial rotary."""
     path, reference = checkpoints[kind]
-    llm = _engine(path)
+    llm = family_engine(path)
     runner, model = llm.engine.runner, llm.engine.runner.model
     kernel = runner.attention_kernel
     runner.attention_kernel = None
     model.use_native_kernels(False)
     try:
         assert not runner.batch_invariant
-        _assert_matches_transformers(llm, reference)
+        assert_family_matches(llm, reference)
     finally:
         runner.attention_kernel = kernel
         model.use_native_kernels(True)
@@ -196,10 +170,10 @@ def test_wrong_switch_breaks_equality(checkpoints: dict, monkeypatch: pytest.Mon
         monkeypatch.setitem(table, "Gemma2ForCausalLM" if table is registry._BY_HF else "gemma2", wrong)
     build_model.cache_clear()
     try:
-        llm = _engine(path)
-        prompts = _prompts(llm)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(NEW_TOKENS), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] != reference.many(prompts, NEW_TOKENS)
+        llm = family_engine(path)
+        prompts = family_prompts(llm)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(FAMILY_NEW_TOKENS), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] != reference.many(prompts, FAMILY_NEW_TOKENS)
     finally:
         build_model.cache_clear()
 
@@ -210,4 +184,4 @@ def test_unknown_architecture_is_refused_naming_it(checkpoints: dict, tmp_path: 
     config["architectures"] = ["MambaForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"MambaForCausalLM.*minivllm runs .*Gemma2ForCausalLM"):
-        _engine(tmp_path)
+        family_engine(tmp_path)

@@ -49,9 +49,13 @@ def test_cached_tokenizer_equals_fresh_conversion_and_follows_the_file(
     assert cached.apply_chat_template(messages) == fresh.apply_chat_template(messages, tokenize=False,
                                                                                add_generation_prompt=True)
 
-    # The key is the file's bytes: a change anywhere in them converts again.
+    # The key is the file's tokenizer metadata: other weights read it back; a changed token converts again.
     monkeypatch.setattr(tokenizer_module, "_auto_tokenizer", refuse)
     data = bytearray(default_model_path.read_bytes())
+    data[-1] ^= 0xFF  # the last byte of the last tensor
+    (tmp_path / "weights_changed.gguf").write_bytes(data)
+    Tokenizer(tmp_path / "weights_changed.gguf", config)
+    data[-1] ^= 0xFF
     at = data.index(b"<|im_start|>")
     data[at + 5] = ord("S")  # one token's text, same length
     (tmp_path / "tokens_changed.gguf").write_bytes(data)

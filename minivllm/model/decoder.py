@@ -5,8 +5,10 @@ attends through the paged KV cache. Q/K/V and gate/up projections are one matrix
 fuses them as it loads the checkpoint): fewer, larger GEMMs. A family is a set of switches
 (model_config.py), read here where they apply: q/k norms, the rotary table of each layer (global,
 Gemma 3's local one, or none for SmolLM3's NoPE layers), partial rotary, sliding windows and
-softcaps, Gemma's four norms per layer and GeGLU, Granite's multipliers. Norm weights always multiply as x * w: a Gemma checkpoint's
-x * (1 + w) gets its 1 added as it is read (hf_reader.py), as llama.cpp's converter does.
+softcaps, Gemma's four norms per layer and GeGLU, Granite's multipliers, OLMoE's norms over the whole
+q and k projections, and a mixture of experts in place of a layer's MLP (SparseMoE, moe.py). Norm
+weights always multiply as x * w: a Gemma checkpoint's x * (1 + w) gets its 1 added as it is read
+(hf_reader.py), as llama.cpp's converter does.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from minivllm.model.attention import AttentionMetadata, paged_attention
 from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_ops, quant_gemm
 from minivllm.model.kv_cache import KVCache
 from minivllm.model.model_config import NO_ROPE, ROPE_LOCAL, ModelConfig
+from minivllm.model.moe import route, run_experts
 from minivllm.model.native_forward import NativeForward
 from minivllm.model.quant import QuantizedWeight
 
@@ -200,8 +203,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Per head (Qwen3, Gemma 3), or over the whole projection before the heads split (OLMoE).
+        self.norm_projection = config.qk_norm_span == "projection"
+        q_norm_size, k_norm_size = (self.q_size, self.kv_size) if self.norm_projection else (self.head_dim,) * 2
+        self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if config.qk_norm else None
+        self.clip_qkv = config.clip_qkv
         self.scale = config.scale
         self.rope = config.layer_rope(layer)  # model_config.ROPE_GLOBAL, ROPE_LOCAL or NO_ROPE
         self.window = config.layer_window(layer)
@@ -209,10 +216,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.norm_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.norm_projection:
             if self.ops is not None:
                 self.ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
                 self.ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
@@ -231,10 +242,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     ops: LayerOps | None = None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, width: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = width or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * width, bias=False)
+        self.down_proj = Linear(width, config.hidden_size, bias=False)
         self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,6 +256,29 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(gate * up)
+
+
+class SparseMoE(nn.Module):
+    """A sparse layer's MLP: the router (`gate`) picks each token's top-k experts, each an MLP; Qwen2-MoE
+    adds a shared expert that every token runs, scaled by sigmoid(x . shared_expert_gate). `expert_load`
+    counts the tokens each expert has taken since the model was built (the routing skew, for /metrics)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, config.expert_size) for _ in range(config.num_experts))
+        self.shared_expert = MLP(config, config.shared_expert_size) if config.shared_expert_size else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if config.shared_expert_size else None
+        self.top_k, self.routing, self.norm_topk_prob = config.num_experts_per_tok, config.routing, config.norm_topk_prob
+        self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.int64, device="cpu"),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
+        out = run_experts(x, weights, ids, self.experts, self.expert_load)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -257,7 +292,7 @@ class DecoderLayer(nn.Module):
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.layer_is_sparse(layer) else MLP(config)
         self.sandwich = config.sandwich_norms
         self.residual_scale = config.residual_scale
 
@@ -321,6 +356,10 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def expert_load(self) -> list[list[int]]:
+        """Per sparse layer, the tokens each expert has taken: the routing skew."""
+        return [layer.mlp.expert_load.tolist() for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+
     def quantized_weights(self) -> list[QuantizedWeight]:
         return list({id(m.quantized): m.quantized for m in self.modules()
                      if isinstance(m, (Linear, Embedding)) and m.quantized is not None}.values())
@@ -335,7 +374,7 @@ class CausalLM(nn.Module):
                 module.use_native(enabled, device, dtype)
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
-        function = forward_layers(device, dtype) if enabled else None
+        function = forward_layers(device, dtype) if enabled and NativeForward.covers(self.config) else None
         self.native_forward = NativeForward(self, function) if function and self.uses_native_kernels else None
 
     def layer_loop(self) -> str:
@@ -343,6 +382,8 @@ class CausalLM(nn.Module):
         if self.native_forward is not None:
             return "native layer loop (csrc/forward.c)"
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        if not NativeForward.covers(self.config):
+            return "Python layer loop: csrc/forward.c has no mixture-of-experts or projection q/k-norm layers"
         if forward_layers(device, dtype) is None:
             return f"Python layer loop: no native layer loop for {device.type}/{dtype} on this target"
         torch_linears = [n for n, m in self.named_modules() if isinstance(m, Linear) and not m.uses_native]

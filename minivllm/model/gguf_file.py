@@ -90,6 +90,10 @@ class GGUFFile:
         """The tensor's bytes in place, flat uint8: no copy, and no page read until used."""
         return torch.frombuffer(self._map, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
 
+    def metadata_bytes(self, prefix: str) -> bytes:
+        """The file's bytes of every metadata entry whose key starts with `prefix` (key and value), in order."""
+        return b"".join(bytes(self._map[start:end]) for key, (start, end) in self._spans.items() if key.startswith(prefix))
+
     def write_without_tokenizer_arrays(self, out: Path) -> None:
         """This file copied to `out` byte for byte, less the metadata arrays under tokenizer.ggml. (the
         vocabulary, scores, merges), with `ARCH.vocab_size` added where the file leaves it to the

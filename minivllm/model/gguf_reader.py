@@ -5,6 +5,7 @@ back), quantized blocks kept as they are where asked.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,15 @@ GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # Mixtures of experts: the router, the experts (one 3-D tensor each, split per expert as read) and
+    # Qwen2-MoE's shared expert with its gate.
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# llama.cpp's expert_gating_func values minivllm routes by (model_config.ROUTINGS); 2 is sigmoid.
+GATING_FUNCS = {1: "softmax", 3: "topk_softmax"}
 
 
 def read_gguf_checkpoint(path: Path, dtype: torch.dtype | None, keep_quantized: bool
@@ -69,10 +78,28 @@ def read_gguf_checkpoint(path: Path, dtype: torch.dtype | None, keep_quantized: 
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )
+    fields.update(_moe_fields(meta, tensors, fields["num_hidden_layers"], str(path)))
     config = ModelConfig(**{**fields, **fam.switches})
-    for key, value in fam.gguf_switches(config, meta).items():
-        setattr(config, key, value)
+    config = dataclasses.replace(config, **fam.gguf_switches(config, meta))  # checked again (__post_init__)
     return config, _gguf_weights(f, config, fam, dtype or torch.float32, keep_quantized)
+
+
+def _moe_fields(meta, tensors: dict[str, GGUFTensorInfo], layers: int, where: str) -> dict:
+    """A mixture of experts' keys; the layers without a router keep a dense MLP."""
+    experts = meta("expert_count", 0)
+    if not experts:
+        return {}
+    gating = meta("expert_gating_func")
+    if gating is not None and gating not in GATING_FUNCS:
+        raise ValueError(f"{where}: expert_gating_func {gating} is not a routing minivllm runs "
+                         f"(known: {', '.join(f'{k} ({v})' for k, v in GATING_FUNCS.items())})")
+    switches = {"num_experts": experts, "num_experts_per_tok": meta("expert_used_count", 0),
+                "moe_intermediate_size": meta("expert_feed_forward_length"),
+                "shared_expert_size": meta("expert_shared_feed_forward_length"),
+                "dense_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
+    if gating is not None:
+        switches["routing"] = GATING_FUNCS[gating]
+    return switches
 
 
 def _gguf_rope_scaling(f: GGUFFile, meta, tensors: dict[str, GGUFTensorInfo]) -> dict | None:
@@ -107,10 +134,15 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, fam: Family, dtype: torch.dt
         if t.type not in BLOCK_FORMATS and t.type not in FLOAT_TYPES:
             raise ValueError(f"{f.path}: tensor {t.name} is {format_name(t.type)}, a block format minivllm does "
                              f"not run; supported: {supported_types()}")
+        if parts[0] == "blk" and parts[2].endswith("_exps"):
+            yield from _per_expert(f, t, hf, dtype, keep_quantized)
+            continue
         if keep_quantized and t.type in BLOCK_FORMATS and len(t.shape) == 2:
             tensor = QuantizedTensor(f.raw(t).view(t.shape[0], -1), t.type)
         else:
             tensor = gguf_tensor(f, t, dtype)
+            if parts[-1] == "ffn_gate_inp_shexp":  # stored as a vector: the [1, hidden] matrix it is
+                tensor = tensor.reshape(1, -1)
         # llama.cpp stores Llama's Q and K rows permuted for its interleaved RoPE; undo it.
         if fam.gguf_permuted_qk and parts[-1] in ("attn_q", "attn_k"):
             n = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
@@ -120,6 +152,23 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, fam: Family, dtype: torch.dt
             else:
                 tensor = unpermute(tensor)
         yield hf, tensor
+
+
+def _per_expert(f: GGUFFile, t: GGUFTensorInfo, hf: str, dtype: torch.dtype, keep_quantized: bool
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """A 3-D expert tensor [experts, out, in] as one `experts.E.<proj>.weight` per expert, each in place
+    in the file (a view of its blocks, or decoded from them)."""
+    if len(t.shape) != 3:
+        raise ValueError(f"{f.path}: expert tensor {t.name} has shape {tuple(t.shape)}; expected [experts, out, in]")
+    experts, rows, cols = t.shape
+    head, proj = hf.removesuffix(".weight").rsplit(".", 1)
+    raw = f.raw(t).view(experts, -1)
+    for expert in range(experts):
+        if keep_quantized and t.type in BLOCK_FORMATS:
+            tensor = QuantizedTensor(raw[expert].view(rows, -1), t.type)
+        else:
+            tensor = dequantize(raw[expert], t.type, (rows, cols), dtype)
+        yield f"{head}.{expert}.{proj}.weight", tensor
 
 
 def gguf_tensor(f: GGUFFile, t: GGUFTensorInfo, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint directory -> its `ModelConfig` and its weights, through the family's
 registry entry (registry.py): config.json's architecture names the entry, whose switches and
-conventions complete the common fields (Gemma's norm weights get the +1 that its forward adds).
+conventions complete the common fields (Gemma's norm weights get the +1 that its forward adds; Mixtral's
+and Granite-MoE's expert tensors get the names the decoder has, and stacked experts are split per expert).
 """
 from __future__ import annotations
 
@@ -88,4 +89,24 @@ def _hf_weights(path: Path, dtype: torch.dtype | None, fam: Family) -> Iterator[
                 prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
                 if prefix is not None:
                     name = _LANGUAGE_MODEL_PREFIXES[prefix] + name.removeprefix(prefix)
-                yield name, tensor if dtype is None else tensor.to(dtype)
+                for old, new in fam.hf_tensor_renames:
+                    name = name.replace(old, new)
+                for name, tensor in _per_expert(name, tensor):
+                    yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+_STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # [experts, out, in], gate rows before up rows
+
+
+def _per_expert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stack of every expert's weight (transformers 5's layout, Granite-MoE's checkpoints), as one
+    `experts.E.<proj>.weight` per expert; any other tensor as it is."""
+    stacked = next((s for s in _STACKED_EXPERTS if name.removesuffix(".weight").endswith(s)), None)
+    if stacked is None:
+        yield name, tensor
+        return
+    if tensor.dim() != 3:
+        raise ValueError(f"expert tensor {name} has shape {tuple(tensor.shape)}; expected [experts, out, in]")
+    head, proj = name.removesuffix(".weight").rsplit(".", 1)
+    for expert, weight in enumerate(tensor.unbind(0)):
+        yield f"{head}.{expert}.{proj}.weight", weight

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 ROPE_GLOBAL, ROPE_LOCAL, NO_ROPE = 0, 1, -1  # a layer's rotary table (csrc/forward.c reads the same numbers)
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation; its index is csrc/forward.c's `act`
+# How a mixture-of-experts router turns its logits into the top-k experts' weights (moe.py):
+# "softmax": softmax over all experts, then the top k (renormalized with norm_topk_prob);
+# "topk_softmax": the top k logits, then softmax over those k (Granite-MoE, gpt-oss).
+ROUTINGS = ("softmax", "topk_softmax")
 
 
 @dataclass
@@ -29,6 +33,8 @@ class ModelConfig:
     rope_scaling: dict | None = None  # llama3, linear, longrope, or a GGUF's per-frequency factors
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm per head on q and k before RoPE
+    qk_norm_span: str = "head"  # "projection": OLMoE's norm over the whole q (k) projection, before the heads split
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv
     # Sliding-window attention: each token attends to the last `sliding_window` tokens (itself included),
     # on the layers listed in `sliding_layers` (None: every layer, as Mistral v0.1).
     sliding_window: int | None = None
@@ -44,8 +50,24 @@ class ModelConfig:
     embedding_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
     residual_scale: float = 1.0  # Granite: each block's output times this before the residual add
     logits_divisor: float = 1.0  # Granite: logits_scaling
+    # Mixture of experts: a sparse layer's MLP is a router over `num_experts` experts (each an MLP of
+    # width `moe_intermediate_size`), of which each token runs the `num_experts_per_tok` it is routed to.
+    num_experts: int = 0  # 0: a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None  # None: intermediate_size
+    dense_layers: list[int] = field(default_factory=list)  # layers that keep the dense MLP (Qwen's mlp_only_layers)
+    routing: str = "softmax"  # one of ROUTINGS
+    norm_topk_prob: bool = False  # "softmax" routing: divide the k weights by their sum
+    shared_expert_size: int | None = None  # Qwen2-MoE: a dense expert for every token, gated by sigmoid(x . g)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok is {self.num_experts_per_tok}: a token must use between 1 and "
+                             f"num_experts ({self.num_experts}) experts")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown expert routing {self.routing!r}; minivllm routes by {', '.join(ROUTINGS)}")
 
     @property
     def rotary_size(self) -> int:
@@ -54,6 +76,14 @@ class ModelConfig:
     @property
     def scale(self) -> float:
         return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to its whole context."""

@@ -20,7 +20,7 @@ import torch
 
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.kv_cache import KVCache
-from minivllm.model.model_config import ACTIVATIONS
+from minivllm.model.model_config import ACTIVATIONS, ModelConfig
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -97,6 +97,12 @@ def _address(function) -> int | None:
 
 
 class NativeForward:
+    @staticmethod
+    def covers(config: ModelConfig) -> bool:
+        """Whether forward.c runs this model's layers: not a mixture of experts, nor OLMoE's q/k norms
+        over the whole projection (decoder.py's Python loop runs those, on the same native kernels)."""
+        return config.num_experts == 0 and config.qk_norm_span == "head" and config.clip_qkv is None
+
     def __init__(self, model, function) -> None:
         cfg = model.config
         self._function = function

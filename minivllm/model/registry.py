@@ -31,6 +31,9 @@ class Family:
     hf_norm_offset: float = 0.0  # Gemma computes x * (1 + w): its HF norm weights get the 1 at load
     gguf_permuted_qk: bool = False  # llama.cpp stores Q/K rows permuted for its interleaved RoPE
     gguf_tensor_names: dict[str, str] = field(default_factory=dict)  # beyond gguf_reader.GGUF_NAMES
+    # HF tensor names as the decoder has them, where the family's checkpoints differ: (old, new)
+    # substrings, replaced in order (Mixtral's block_sparse_moe.experts.E.w1 -> mlp.experts.E.gate_proj).
+    hf_tensor_renames: tuple[tuple[str, str], ...] = ()
 
 
 def rope_parameters(cfg: dict) -> dict:
@@ -137,13 +140,37 @@ def _granite_hf(cfg: dict) -> Switches:
             "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
 
 
+def _moe_hf(cfg: dict) -> Switches:
+    """A mixture of experts' config.json: the experts, their width, how many a token uses, and which
+    layers keep a dense MLP (Qwen's mlp_only_layers and decoder_sparse_step)."""
+    only, step = set(cfg.get("mlp_only_layers") or []), cfg.get("decoder_sparse_step") or 1
+    return {"num_experts": cfg.get("num_experts") or cfg.get("num_local_experts"),
+            "num_experts_per_tok": cfg["num_experts_per_tok"], "moe_intermediate_size": cfg.get("moe_intermediate_size"),
+            "dense_layers": [i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step],
+            "norm_topk_prob": cfg.get("norm_topk_prob"), "shared_expert_size": cfg.get("shared_expert_intermediate_size")}
+
+
+def _norm_topk_gguf(default: bool) -> Callable[[ModelConfig, Metadata], Switches]:
+    """llama.cpp's renormalization of the top-k weights for an architecture: the file's
+    expert_weights_norm, which converters seldom write, else what llama.cpp hard-codes for it."""
+    return lambda config, meta: {"norm_topk_prob": meta("expert_weights_norm", default)} if config.num_experts else {}
+
+
 _GEMMA = {"hidden_act": "gelu_tanh", "sandwich_norms": True}
 _GEMMA_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                   "post_ffw_norm": "post_feedforward_layernorm"}
 
+_MIXTRAL_TENSORS = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                    (".w2.", ".down_proj."))
+# Granite-MoE stores its experts fused ([experts, 2 * width, hidden] and [experts, hidden, width]), which
+# hf_reader.py splits per expert.
+_GRANITE_MOE_TENSORS = (("block_sparse_moe.router.layer.", "mlp.gate."),
+                        ("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
+                        ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"))
+
 FAMILIES = [
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "llama", hf_switches=_sliding,
-           gguf_permuted_qk=True),
+           gguf_switches=_norm_topk_gguf(True), gguf_permuted_qk=True),  # llama.cpp writes Mixtral as llama
     Family("qwen2", ("Qwen2ForCausalLM",), "qwen2",
            hf_switches=lambda cfg: {"attention_bias": cfg.get("attention_bias", True), **_sliding_if_used(cfg)}),
     Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", {"qk_norm": True}, hf_switches=_sliding_if_used),
@@ -156,6 +183,20 @@ FAMILIES = [
     Family("smollm3", ("SmolLM3ForCausalLM",), "smollm3", hf_switches=_smollm3_hf, gguf_switches=_smollm3_gguf,
            gguf_permuted_qk=True),
     Family("granite", ("GraniteForCausalLM",), "granite", hf_switches=_granite_hf, gguf_permuted_qk=True),
+    # Mixtures of experts.
+    Family("mixtral", ("MixtralForCausalLM",), None, {"norm_topk_prob": True},
+           hf_switches=lambda cfg: {**_sliding(cfg), **_moe_hf(cfg)}, hf_tensor_renames=_MIXTRAL_TENSORS),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2moe", gguf_switches=_norm_topk_gguf(False),
+           hf_switches=lambda cfg: {"attention_bias": cfg.get("qkv_bias", True), **_sliding_if_used(cfg), **_moe_hf(cfg)}),
+    # llama.cpp always renormalizes Qwen3-MoE's top-k weights (its released models set norm_topk_prob).
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", {"qk_norm": True}, gguf_switches=_norm_topk_gguf(True),
+           hf_switches=lambda cfg: {**_sliding_if_used(cfg), **_moe_hf(cfg)}),
+    Family("olmoe", ("OlmoeForCausalLM",), "olmoe", {"qk_norm": True, "qk_norm_span": "projection"},
+           hf_switches=lambda cfg: {**_moe_hf(cfg), "clip_qkv": cfg.get("clip_qkv")},
+           gguf_switches=_norm_topk_gguf(False)),
+    Family("granite_moe", ("GraniteMoeForCausalLM",), "granitemoe", {"routing": "topk_softmax"},
+           hf_switches=lambda cfg: {**_granite_hf(cfg), **_moe_hf(cfg)}, gguf_permuted_qk=True,
+           hf_tensor_renames=_GRANITE_MOE_TENSORS),
 ]
 _BY_HF = {arch: f for f in FAMILIES for arch in f.hf_architectures}
 _BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.config import cache_dir
-from minivllm.model.loader import checkpoint_digest, model_files_dir
+from minivllm.model.gguf_file import GGUFFile
+from minivllm.model.loader import model_files_dir
 from minivllm.model.model_config import ModelConfig
 
 # Bump when what minivllm saves for a converted tokenizer changes.
@@ -148,9 +149,10 @@ def _special_token(files: Path, name: str) -> str | None:
 
 
 def gguf_tokenizer_key(path: Path) -> str:
-    """What the conversion depends on: the file's bytes (its metadata holds the tokenizer) and the
-    versions of the code that converts."""
-    digest = hashlib.sha256(checkpoint_digest(path).encode())
+    """What the conversion depends on: the file's tokenizer metadata and architecture (not its weights:
+    the quantizations of one model share a conversion) and the versions of the code that converts."""
+    f = GGUFFile(path)
+    digest = hashlib.sha256(f.metadata_bytes("tokenizer.") + f.metadata_bytes("general.architecture"))
     for part in (version("transformers"), version("tokenizers"), str(TOKENIZER_CACHE_VERSION)):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:32]
@@ -180,8 +182,6 @@ def _gguf_auto_tokenizer(path: Path, scratch: Path) -> Any:
     architecture: for another one, its tokenizer.* fields are copied into a vocabulary-only file that
     says "llama", and that one is converted."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    from minivllm.model.gguf_file import GGUFFile
 
     if GGUFFile(path).get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES:
         return _auto_tokenizer(*model_files_dir(path))

@@ -1,0 +1,247 @@
+"""Mixtures of experts (model/moe.py, decoder.SparseMoE), one tiny random checkpoint per family that
+transformers creates from the family's own config class (helpers.tiny_config): 2 of 4 experts per
+token over 3 layers; Qwen3-MoE renormalizes the top-k weights and has a dense layer between sparse
+ones, OLMoE does not renormalize and norms q and k over the whole projection with clip_qkv, Qwen2-MoE
+has its gated shared expert, Mixtral a sliding window, Granite-MoE its multipliers and top-k softmax.
+
+For each: float32 greedy tokens equal transformers', from the HF directory and from llama.cpp's GGUF
+(float32; and Q8_0 with its expert blocks kept, against transformers reading the same file, for the
+families transformers reads), on the native kernels and on the torch twins; bf16 tokens the same alone
+and in a chunked, speculative crowd; a wrong routing breaks the equality; bad checkpoints are refused
+naming the key or the tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from minivllm.model import gguf_reader, registry
+from minivllm.model.build import build_model
+from minivllm.model.decoder import SparseMoE
+from minivllm.spec_decode.extension import SpeculativeDecoding, StepCostModel
+from tests.helpers import (FAMILY_NEW_TOKENS, HFGreedy, assert_family_matches, family_engine, family_prompts, greedy,
+                           save_tiny_model, tiny_config)
+from tests.llama_cpp import convert_hf_many
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe"]
+# What llama.cpp's converter does not carry (nor llama.cpp run): those families' GGUFs are made from the
+# same config without it.
+GGUF_WITHOUT = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None}, "mixtral": {"sliding_window": None}}
+Q8_FAMILIES = ["qwen3_moe", "qwen2_moe"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, HFGreedy]]:
+    """family -> (HF directory, transformers' greedy continuations on it)."""
+    made = {}
+    for kind in FAMILIES:
+        path = tmp_path_factory.mktemp(kind)
+        made[kind] = (path, HFGreedy(save_tiny_model(tiny_config(kind), path, tokenizer_dir)))
+    return made
+
+
+@pytest.fixture(scope="module")
+def ggufs(checkpoints: dict, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
+          ) -> dict[str, tuple[Path, HFGreedy]]:
+    """family (and "family-q8_0") -> (llama.cpp's GGUF, transformers' greedy continuations on its weights)."""
+    made, sources = {}, {}
+    for kind in FAMILIES:
+        source, reference = checkpoints[kind]
+        if kind in GGUF_WITHOUT:
+            config = tiny_config(kind)
+            config = type(config).from_dict({**config.to_dict(), **GGUF_WITHOUT[kind]})
+            source = tmp_path_factory.mktemp(f"{kind}-gguf")
+            reference = HFGreedy(save_tiny_model(config, source, tokenizer_dir))
+        sources[kind] = source
+        made[kind] = (source / "model-f32.gguf", reference)
+    quantized = {k: sources[k] / "model-q8_0.gguf" for k in Q8_FAMILIES}
+    convert_hf_many([(sources[k], made[k][0], "f32") for k in FAMILIES] +
+                    [(sources[k], quantized[k], "q8_0") for k in Q8_FAMILIES])
+    made.update({f"{k}-q8_0": (path, HFGreedy(_on_gguf_weights(sources[k], path))) for k, path in quantized.items()})
+    return made
+
+
+# A Qwen MoE GGUF's tensors as transformers 5 holds them (the experts stacked, gate rows before up rows).
+_HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
+             "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+             "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _on_gguf_weights(directory: Path, path: Path):
+    """transformers' model of `directory` holding the GGUF's weights, decoded by gguf-py (transformers'
+    own GGUF reader assumes the released models' expert widths)."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    state, experts_gate = {}, {}
+    for t in gguf.GGUFReader(path).tensors:
+        value = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        base, suffix = t.name.rsplit(".", 1)
+        parts = base.split(".")
+        if parts[0] != "blk":
+            state[f"{_TOP_NAMES[base]}.{suffix}"] = value
+            continue
+        layer = f"model.layers.{parts[1]}"
+        if parts[2] in ("ffn_gate_exps", "ffn_up_exps"):
+            experts_gate.setdefault(layer, {})[parts[2]] = value
+        else:
+            state[f"{layer}.{_HF_NAMES[parts[2]]}" + ("" if parts[2] == "ffn_down_exps" else f".{suffix}")] = value
+    for layer, pieces in experts_gate.items():
+        state[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([pieces["ffn_gate_exps"], pieces["ffn_up_exps"]], dim=1)
+    own = model.state_dict()
+    state = {name: value.reshape(own[name].shape) for name, value in state.items()}
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert missing == [] or missing == ["lm_head.weight"] and model.config.tie_word_embeddings, missing
+    return model
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_hf_directory_matches_transformers(kind: str, checkpoints: dict) -> None:
+    path, reference = checkpoints[kind]
+    llm = family_engine(path)
+    config = llm.engine.model_config
+    assert config.num_experts == 4 and config.num_experts_per_tok == 2
+    assert config.dense_layers == ([1] if kind == "qwen3_moe" else [])
+    assert llm.engine.runner.batch_invariant  # the experts on the native kernels
+    assert_family_matches(llm, reference)
+    # The routing skew as /metrics shows it: each sparse layer sent each token to 2 experts (a prompt
+    # shorter than a block: nothing from the cache).
+    model = llm.engine.runner.model
+    for layer in model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.expert_load.zero_()
+    short = family_prompts(llm)[0]
+    llm.generate([{"prompt_token_ids": short}], greedy(FAMILY_NEW_TOKENS), use_tqdm=False)
+    loads = model.expert_load()
+    assert len(loads) == 3 - len(config.dense_layers)
+    assert all(sum(load) == 2 * (len(short) + FAMILY_NEW_TOKENS - 1) for load in loads), loads
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_gguf_matches_transformers(kind: str, ggufs: dict) -> None:
+    path, reference = ggufs[kind]
+    llm = family_engine(path)
+    assert llm.engine.model_config.architecture == ("llama" if kind == "mixtral" else registry.hf_family(
+        json.loads((path.parent / "config.json").read_text())["architectures"], "").name)  # llama.cpp: Mixtral is llama
+    assert_family_matches(llm, reference)
+
+
+@pytest.mark.parametrize("kind", Q8_FAMILIES)
+def test_q8_0_experts(kind: str, ggufs: dict) -> None:
+    """Decoded from the file's blocks at load, the tokens equal transformers' on the same weights; kept as
+    blocks (the default), every expert runs the quantized kernels, and a token's bf16 experts give the
+    same tokens alone and in a crowd."""
+    path, reference = ggufs[f"{kind}-q8_0"]
+    assert_family_matches(family_engine(path, quantization="none"), reference)
+    llm = family_engine(path, "bfloat16")
+    moe = next(layer.mlp for layer in llm.engine.runner.model.layers if isinstance(layer.mlp, SparseMoE))
+    assert all(e.gate_up_proj.quantized is not None and e.down_proj.quantized is not None for e in moe.experts)
+    assert llm.engine.runner.batch_invariant
+    prompts = family_prompts(llm)
+    alone = llm.generate([{"prompt_token_ids": prompts[1]}], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate([{"prompt_token_ids": p} for p in [prompts[0], prompts[1], prompts[1][:50]]], greedy(8),
+                         use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("kind", ["olmoe", "qwen2_moe"])
+def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
+    """The torch path (MINIVLLM_NO_KERNELS, CUDA): projection q/k norms and clip, the shared expert."""
+    path, reference = checkpoints[kind]
+    llm = family_engine(path)
+    runner = llm.engine.runner
+    kernel, runner.attention_kernel = runner.attention_kernel, None
+    runner.model.use_native_kernels(False)
+    try:
+        assert not runner.batch_invariant
+        assert_family_matches(llm, reference)
+    finally:
+        runner.attention_kernel = kernel
+        runner.model.use_native_kernels(True)
+
+
+class FlatStepCost(StepCostModel):
+    """A step that costs the same whatever its tokens (a GPU's at these sizes): drafting pays at any batch
+    size and acceptance, so the crowd below verifies drafts however the random model guesses."""
+
+    knee = 4096.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "granitemoe"])
+def test_bf16_same_tokens_alone_and_in_a_speculative_crowd(kind: str, checkpoints: dict) -> None:
+    """A token's experts' outputs never depend on which other tokens share the step or chose the same
+    experts: the same bf16 tokens alone (one prefill, then decodes) and in a crowd whose prefills run in
+    16-token chunks beside decodes and verifies (suffix decoding drafts the probe's continuation from
+    its first run, so its tokens come out of verify steps)."""
+    path = checkpoints[kind][0]
+    alone_llm = family_engine(path, "bfloat16", max_num_batched_tokens=256, enable_prefix_caching=False)
+    probe = family_prompts(alone_llm)[1]
+    params = greedy(16)
+    alone = alone_llm.generate([{"prompt_token_ids": probe}], params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd_llm = family_engine(path, "bfloat16", speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    crowd_llm.engine.extension(SpeculativeDecoding).step_cost = FlatStepCost()
+    first = crowd_llm.generate([{"prompt_token_ids": probe}], params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = [probe[:7], probe[:40], probe, probe[:7] * 3, probe[10:]]
+    together = crowd_llm.generate([{"prompt_token_ids": p} for p in crowd], params, use_tqdm=False)
+    assert first == together[2].outputs[0].token_ids == alone
+    assert crowd_llm.engine.stats["spec_decode_num_accepted_tokens"] > 0  # verify steps ran and kept drafts
+
+
+def test_wrong_routing_breaks_equality(checkpoints: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OLMoE's top-k weights renormalized (as Qwen3-MoE's are): the tokens leave transformers'."""
+    path, reference = checkpoints["olmoe"]
+    olmoe = registry.family("olmoe")
+    wrong = dataclasses.replace(olmoe, switches={**olmoe.switches, "norm_topk_prob": True},
+                                hf_switches=lambda cfg: {k: v for k, v in olmoe.hf_switches(cfg).items()
+                                                         if k != "norm_topk_prob"})
+    monkeypatch.setitem(registry._BY_HF, "OlmoeForCausalLM", wrong)
+    monkeypatch.setitem(registry._BY_NAME, "olmoe", wrong)
+    build_model.cache_clear()
+    try:
+        llm = family_engine(path)
+        assert llm.engine.model_config.norm_topk_prob
+        prompts = family_prompts(llm)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(FAMILY_NEW_TOKENS), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] != reference.many(prompts, FAMILY_NEW_TOKENS)
+    finally:
+        build_model.cache_clear()
+
+
+def _edited_copy(source: Path, target: Path, **config: object) -> Path:
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, **config}))
+    return target
+
+
+def test_bad_checkpoints_are_refused_naming_what(checkpoints: dict, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoints["qwen2_moe"][0]
+    with pytest.raises(ValueError, match=r"num_experts_per_tok is 5: a token must use between 1 and num_experts \(4\)"):
+        family_engine(_edited_copy(source, tmp_path / "topk", num_experts_per_tok=5))
+    with pytest.raises(ValueError, match=r"weight layers\.0\.mlp\.gate\.weight: checkpoint shape \(4, 64\) != model \(5, 64\)"):
+        family_engine(_edited_copy(source, tmp_path / "more", num_experts=5))
+    cut = _edited_copy(source, tmp_path / "cut")
+    weights = load_file(cut / "model.safetensors")
+    name = "model.layers.2.mlp.experts.3.down_proj.weight"
+    weights[name] = weights[name][:, :16].contiguous()
+    save_file(weights, cut / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.2\.mlp\.experts\.3\.down_proj\.weight: checkpoint shape \(64, 16\)"):
+        family_engine(cut)
+    keys = {"expert_count": 4, "expert_used_count": 2, "expert_gating_func": 2}
+    with pytest.raises(ValueError, match=r"m\.gguf: expert_gating_func 2 is not a routing minivllm runs"):
+        gguf_reader._moe_fields(lambda key, default=None: keys.get(key, default), {}, 3, "m.gguf")
