@@ -40,6 +40,8 @@ def _flag(help: str, default: Any, choices: tuple | None = None) -> Any:
 @dataclass
 class EngineConfig:
     model: str | None = _flag("GGUF file or Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)", None)
+    tokenizer: str | None = _flag("a Hugging Face directory whose tokenizer to use (default: the model's own; a GGUF "
+                                  "file's is converted once, seconds for a large vocabulary)", None)
     dtype: str = _flag("weights and KV cache dtype", "auto", ("auto", "float32", "bfloat16", "float16"))
     device: str = _flag("where the model runs", "auto", ("auto", "cpu", "cuda"))
     quantization: str = _flag("weights: gguf keeps a GGUF file's quantized blocks, int8/int4 quantize at load, "
@@ -98,6 +100,9 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         parse_size(self.kv_cache_memory)
+        if self.tokenizer is not None and not (Path(self.tokenizer).expanduser() / "tokenizer_config.json").is_file():
+            raise ValueError(f"tokenizer: {self.tokenizer!r} is not a directory of Hugging Face tokenizer files "
+                             "(tokenizer_config.json, tokenizer.json)")
         if self.kv_offloading:
             if (self.kv_offloading_size or 0) < 0 or self.kv_offloading_disk_size <= 0:
                 raise ValueError("kv_offloading_size and kv_offloading_disk_size must be positive GiB")

@@ -57,7 +57,7 @@ def load_parts(config: EngineConfig) -> ModelParts:
     else:
         model_config, runner = build_runner(config, path, phases=phases)
     with timed(phases, "tokenizer"):
-        tokenizer = get_tokenizer(path, model_config)
+        tokenizer = get_tokenizer(Path(config.tokenizer).expanduser() if config.tokenizer else path, model_config)
     loop = runner.model.layer_loop() if runner.attention_kernel is not None else \
         f"Python layer loop: no native attention kernel for head_dim {model_config.head_dim} on {device.type}/{dtype}"
     print(f"minivllm: {model_config.architecture}: {loop}", file=sys.stderr, flush=True)

@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from minivllm.model import gguf_reader, registry
+from minivllm.cli import main
+from minivllm.bench.latency import weight_bytes_held
+from minivllm.model import build, gguf_reader, registry
 from minivllm.model.build import build_model
 from minivllm.model.decoder import SparseMoE
+from minivllm.model.loader import weight_bytes
+from minivllm.server.metrics import ServerMetrics
 from minivllm.spec_decode.extension import SpeculativeDecoding, StepCostModel
 from tests.helpers import (FAMILY_NEW_TOKENS, HFGreedy, assert_family_matches, family_engine, family_prompts, greedy,
                            save_tiny_model, tiny_config)
@@ -114,23 +120,36 @@ def test_hf_directory_matches_transformers(kind: str, checkpoints: dict) -> None
     assert config.dense_layers == ([1] if kind == "qwen3_moe" else [])
     assert llm.engine.runner.batch_invariant  # the experts on the native kernels
     assert_family_matches(llm, reference)
-    # The routing skew as /metrics shows it: each sparse layer sent each token to 2 experts (a prompt
-    # shorter than a block: nothing from the cache).
-    model = llm.engine.runner.model
-    for layer in model.layers:
-        if isinstance(layer.mlp, SparseMoE):
-            layer.mlp.expert_load.zero_()
+    # The routing skew: each sparse layer sent each token to 2 experts (a prompt shorter than a block:
+    # nothing from the cache), as the engine's stats and /metrics count it.
+    before = llm.engine.get_stats()["moe_expert_tokens"]
     short = family_prompts(llm)[0]
     llm.generate([{"prompt_token_ids": short}], greedy(FAMILY_NEW_TOKENS), use_tqdm=False)
-    loads = model.expert_load()
-    assert len(loads) == 3 - len(config.dense_layers)
-    assert all(sum(load) == 2 * (len(short) + FAMILY_NEW_TOKENS - 1) for load in loads), loads
+    after = llm.engine.get_stats()["moe_expert_tokens"]
+    assert [len(counts) for counts in after] == [0 if i in config.dense_layers else 4 for i in range(3)]
+    routed = [sum(b) - sum(a) for a, b in zip(before, after)]
+    assert routed == [0 if i in config.dense_layers else 2 * (len(short) + FAMILY_NEW_TOKENS - 1) for i in range(3)]
+    text = ServerMetrics("tiny", llm.engine.get_stats).render()[0].decode()
+    series = re.findall(r'^minivllm:moe_expert_tokens_total\{expert="(\d)",layer="(\d)",model_name="tiny"\} (\S+)$',
+                        text, re.MULTILINE)
+    assert sorted((int(layer), int(expert), float(n)) for expert, layer, n in series) == sorted(
+        (layer, expert, float(n)) for layer, counts in enumerate(after) for expert, n in enumerate(counts))
+
+
+def test_bench_latency_reports_the_routing_skew(checkpoints: dict, tmp_path: Path) -> None:
+    out = tmp_path / "latency.json"
+    main(["bench", "latency", "--model", str(checkpoints["olmoe"][0]), "--dtype", "float32", "--batch-size", "2",
+          "--input-len", "12", "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
+          "--output-json", str(out)])
+    load = json.loads(out.read_text())["result"]["expert_load"]
+    # Two measured iterations of 2 sequences x (12 prompt tokens + 3 decoded), 2 experts each, per layer.
+    assert [sum(counts) for counts in load] == [2 * 2 * (12 + 3) * 2] * 3
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_gguf_matches_transformers(kind: str, ggufs: dict) -> None:
     path, reference = ggufs[kind]
-    llm = family_engine(path)
+    llm = family_engine(path, tokenizer=str(path.parent))  # the same vocabulary, not converted from the file
     assert llm.engine.model_config.architecture == ("llama" if kind == "mixtral" else registry.hf_family(
         json.loads((path.parent / "config.json").read_text())["architectures"], "").name)  # llama.cpp: Mixtral is llama
     assert_family_matches(llm, reference)
@@ -142,11 +161,12 @@ def test_q8_0_experts(kind: str, ggufs: dict) -> None:
     blocks (the default), every expert runs the quantized kernels, and a token's bf16 experts give the
     same tokens alone and in a crowd."""
     path, reference = ggufs[f"{kind}-q8_0"]
-    assert_family_matches(family_engine(path, quantization="none"), reference)
-    llm = family_engine(path, "bfloat16")
+    assert_family_matches(family_engine(path, quantization="none", tokenizer=str(path.parent)), reference)
+    llm = family_engine(path, "bfloat16", tokenizer=str(path.parent))
     moe = next(layer.mlp for layer in llm.engine.runner.model.layers if isinstance(layer.mlp, SparseMoE))
     assert all(e.gate_up_proj.quantized is not None and e.down_proj.quantized is not None for e in moe.experts)
     assert llm.engine.runner.batch_invariant
+    assert weight_bytes_held(llm.engine.runner.model) <= 1.05 * path.stat().st_size
     prompts = family_prompts(llm)
     alone = llm.generate([{"prompt_token_ids": prompts[1]}], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     crowd = llm.generate([{"prompt_token_ids": p} for p in [prompts[0], prompts[1], prompts[1][:50]]], greedy(8),
@@ -245,3 +265,20 @@ def test_bad_checkpoints_are_refused_naming_what(checkpoints: dict, tmp_path: Pa
     keys = {"expert_count": 4, "expert_used_count": 2, "expert_gating_func": 2}
     with pytest.raises(ValueError, match=r"m\.gguf: expert_gating_func 2 is not a routing minivllm runs"):
         gguf_reader._moe_fields(lambda key, default=None: keys.get(key, default), {}, 3, "m.gguf")
+
+
+def test_what_does_not_fit_in_memory_is_refused_at_start(checkpoints: dict, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights, then the KV pool, larger than the memory available: refused before they are read or
+    allocated, with both figures."""
+    path = _edited_copy(checkpoints["qwen2_moe"][0], tmp_path / "copy")  # not a model this process holds
+    needed = weight_bytes(path, torch.float32, "none")
+    monkeypatch.setattr(build, "available_memory", lambda: needed - 1)
+    with pytest.raises(ValueError, match=rf"the weights of copy need {build.readable_size(needed)} of memory, but "
+                                         rf"{build.readable_size(needed - 1)} is available"):
+        family_engine(path)
+    left = iter([needed, 2**19])  # what is available before the weights, then after them
+    monkeypatch.setattr(build, "available_memory", lambda: next(left))
+    with pytest.raises(ValueError, match=r"the KV pool \(64 blocks: --kv-cache-memory or --num-kv-blocks\) need "
+                                         r"0\.8 MiB of memory, but 0\.5 MiB is available"):
+        family_engine(path, num_kv_blocks=64)  # 64 blocks x 16 tokens x 3 layers x K and V x 2 heads x 16 x 4 B: 768 KiB

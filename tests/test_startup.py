@@ -66,6 +66,21 @@ def test_cached_tokenizer_equals_fresh_conversion_and_follows_the_file(
         Tokenizer(default_model_path, config)
 
 
+def test_tokenizer_flag_takes_a_directory_instead_of_the_files_own(
+        llm: Any, default_model_path: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """--tokenizer (vLLM's flag): a GGUF model with a Hugging Face directory's tokenizer, never converting the
+    file's; the same tokens as the file's own. A directory without tokenizer files is refused, naming it."""
+    from minivllm import LLM
+    from minivllm.config import EngineConfig
+
+    other = LLM(model=str(default_model_path), tokenizer=str(tokenizer_dir), num_kv_blocks=16)
+    assert other.engine.tokenizer.files == tokenizer_dir
+    for text in MULTILINGUAL:
+        assert other.get_tokenizer().encode(text) == llm.get_tokenizer().encode(text), text
+    with pytest.raises(ValueError, match=f"tokenizer: '{tmp_path}' is not a directory of Hugging Face tokenizer files"):
+        EngineConfig(tokenizer=str(tmp_path))
+
+
 def test_one_tokenizer_per_checkpoint(llm: Any, default_model_path: Path) -> None:
     from minivllm.bench.workloads import load_tokenizer
 

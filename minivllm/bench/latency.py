@@ -43,6 +43,9 @@ class LatencyResult:
     spec_acceptance_rate: float | None = None
     spec_mean_accepted_length: float | None = None
     greedy_exact: bool | None = None
+    # A mixture of experts: per layer, the tokens each expert took over the measured iterations ([] for a
+    # dense layer); None for a dense model
+    expert_load: list[list[int]] | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -70,6 +73,7 @@ class LatencyResult:
                 f"Decode step time: "
                 + ", ".join(f"{k} {v:.1%}" for k, v in self.step_time_shares.items())
                 + f"\nWeights held: {self.weight_bytes_held / 1e6:.0f} MB; peak RSS {self.peak_rss_bytes / 1e6:.0f} MB"
+                + ("" if self.expert_load is None else expert_skew_text(self.expert_load))
                 + ("" if self.greedy_exact is None else spec_text(self.spec_acceptance_rate,
                                                                    self.spec_mean_accepted_length, self.greedy_exact)))
 
@@ -84,6 +88,8 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
     group = getattr(engine.runner, "group", None)  # tensor parallel: rank 0's TensorParallelGroup
     stats_before, outputs = dict(engine.stats), {}
     for i in range(num_iters_warmup + num_iters):
+        if i == num_iters_warmup:  # the experts' tokens over the measured iterations, prefills included
+            load_before = engine.runner.stats().get("moe_expert_tokens")
         # Random token ids, fresh each iteration so that the prefix cache cannot serve them.
         prompts = rng.integers(1000, engine.model_config.vocab_size - 1000, size=(batch_size, input_len)).tolist()
         for j, prompt in enumerate(prompts):
@@ -117,17 +123,29 @@ def run_latency(config: EngineConfig, batch_size: int, input_len: int, output_le
         step_seconds = sum(engine.step_time.values()) or 1.0
         shares |= {"of which all_reduce": group.all_reduce_time / step_seconds,
                    "of which step broadcast": group.send_time / step_seconds}
+    load = engine.runner.stats().get("moe_expert_tokens")
+    expert_load = None if load is None else [[b - a for a, b in zip(before, after)]
+                                             for before, after in zip(load_before, load)]
     model = getattr(engine.runner, "model", None)  # tensor parallel: rank 0 holds its shard only
     held = weight_bytes_held(model) if model is not None else 0
     engine.close()
     result = LatencyResult(batch_size, input_len, output_len, latencies,
                            1000 * decode_seconds / max(decode_steps, 1), decode_steps, shares, prefills, held,
-                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, expert_load=expert_load)
     if config.speculative is not None:
         last = [outputs[f"latency-{i}-{j}"] for j in range(batch_size)]
         result = replace(result, **spec_decode_stats(engine.stats, since=stats_before), greedy_exact=same_outputs(
             config, [o.prompt_token_ids for o in last], [params] * batch_size, last))
     return result
+
+
+def expert_skew_text(load: list[list[int]]) -> str:
+    """The routing skew: in each sparse layer, the busiest expert's tokens over the layer's mean."""
+    skews = [max(counts) * len(counts) / sum(counts) for counts in load if counts and sum(counts)]
+    if not skews:
+        return ""
+    return (f"\nExperts: the busiest expert of a sparse layer took {float(np.median(skews)):.2f}x its layer's mean "
+            f"(median over {len(skews)} layers; worst {max(skews):.2f}x); tokens per expert in --output-json")
 
 
 def weight_bytes_held(model) -> int:

@@ -64,6 +64,9 @@ class CostRunner:
         self.cost, self.clock, self.history, self.noise = cost, clock, StepHistory(clock), noise
         self.prepare_time = 0.0  # the engine's step breakdown reads it
 
+    def stats(self) -> dict:
+        return {}
+
     def execute(self, batch: BatchInputs) -> None:
         seconds = self.cost.step_time(self.history.starting(batch))
         self.clock.sleep(seconds * self.noise() if self.noise else seconds)

@@ -405,7 +405,7 @@ class LLMEngine:
                 "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_cache_usage": bm.usage,
-                "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
+                "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits, **self.runner.stats(),
                 **{k: v for extension in self.extensions for k, v in extension.stats().items()}}
 
     @property

@@ -23,7 +23,7 @@ import torch
 from minivllm.config import EngineConfig, parse_size
 from minivllm.model import weight_cache
 from minivllm.model.decoder import CausalLM
-from minivllm.model.loader import load_checkpoint
+from minivllm.model.loader import load_checkpoint, weight_bytes
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
 from minivllm.model.weights import model_from_state, model_from_weights, model_state
@@ -34,6 +34,7 @@ class Shard(Protocol):
     """One rank's part of the model."""
 
     key: str  # names the shard in the weight cache
+    world_size: int  # the shards the model is cut into (each holds about this fraction of the weights)
 
     def config(self, full: ModelConfig) -> ModelConfig: ...
 
@@ -57,6 +58,9 @@ def build_runner(config: EngineConfig, path: Path, shard: Shard | None = None, d
         else:  # not the per-process memo: the shard's runner joins the model's layers to its group
             full, model = build_model.__wrapped__(path, device, dtype, quantization, shard)
     num_blocks = num_kv_blocks(config, model.config, dtype)  # the rank's shard of the KV heads
+    if device.type == "cpu":
+        ensure_fits(f"the KV pool ({num_blocks} blocks: --kv-cache-memory or --num-kv-blocks)",
+                    num_blocks * kv_bytes_per_block(model.config, config.block_size, dtype, config.kv_cache_dtype))
     with timed(phases, "kv_pool"):
         pool = (num_blocks, config.block_size, device, dtype, config.kv_cache_dtype)
         runner = ModelRunner(model, *pool) if shard is None else shard.runner(model, *pool)
@@ -70,6 +74,30 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     return config.num_kv_blocks or max(
         1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, dtype,
                                                                     config.kv_cache_dtype))
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel can still give this machine's processes without swapping (MemAvailable), or None
+    where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next((line.split()[1] for line in f if line.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+    return None if kib is None else int(kib) * 1024
+
+
+def ensure_fits(what: str, needed: int) -> None:
+    """Refuse at start, with both figures, what would not fit in the memory left, rather than be killed by
+    the kernel's OOM killer halfway through loading it."""
+    available = available_memory()
+    if available is not None and needed > available:
+        raise ValueError(f"{what} need {readable_size(needed)} of memory, but {readable_size(available)} is "
+                         "available (MemAvailable in /proc/meminfo)")
+
+
+def readable_size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @functools.lru_cache(maxsize=2)
@@ -88,6 +116,8 @@ def build_model(path: Path, device: torch.device, dtype: torch.dtype, quantizati
         except (ValueError, KeyError, AttributeError, RuntimeError) as e:  # an entry this code cannot use
             print(f"minivllm: the cached weights in {cached} do not fit this model ({e}); rebuilding",
                   file=sys.stderr, flush=True)
+    if device.type == "cpu":
+        ensure_fits(f"the weights of {path.name}", weight_bytes(path, dtype, quantization) // (shard.world_size if shard else 1))
     if cached is not None:
         print(f"minivllm: packing the weights once into {cached.parent} ...", file=sys.stderr, flush=True)
     # Decoded straight into the model's dtype, or kept quantized.

@@ -357,8 +357,8 @@ class CausalLM(nn.Module):
         return logits
 
     def expert_load(self) -> list[list[int]]:
-        """Per sparse layer, the tokens each expert has taken: the routing skew."""
-        return [layer.mlp.expert_load.tolist() for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        """Per layer, the tokens each of its experts has taken (the routing skew); [] for a dense layer."""
+        return [layer.mlp.expert_load.tolist() if isinstance(layer.mlp, SparseMoE) else [] for layer in self.layers]
 
     def quantized_weights(self) -> list[QuantizedWeight]:
         return list({id(m.quantized): m.quantized for m in self.modules()

@@ -11,12 +11,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
+import math
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from minivllm.config import cache_dir
+from minivllm.model.gguf_file import GGUFFile
+from minivllm.model.gguf_quants import BLOCK_FORMATS
 from minivllm.model.gguf_reader import read_gguf_checkpoint
 from minivllm.model.hf_reader import read_hf_checkpoint
 from minivllm.model.model_config import ModelConfig
@@ -88,6 +93,27 @@ def load_checkpoint(path: Path, dtype: torch.dtype | None = None, keep_quantized
     if path.is_dir():
         return read_hf_checkpoint(path, dtype)
     return read_gguf_checkpoint(path, dtype, keep_quantized)
+
+
+def weight_bytes(path: Path, dtype: torch.dtype, quantization: str) -> int:
+    """Bytes the checkpoint's weights take once loaded, from its headers alone (no weight is read): a GGUF
+    file's blocks as they are where kept ("gguf"), int8/int4 matrices at about their size, every other
+    tensor at `dtype`'s."""
+    float_size = torch.empty(0, dtype=dtype).element_size()
+    matrix_size = {"int8": 1.0, "int4": 0.5}.get(quantization, float_size)
+
+    def size(shape: tuple[int, ...]) -> float:
+        return math.prod(shape) * (matrix_size if len(shape) >= 2 else float_size)
+
+    if path.is_file():
+        return int(sum(t.nbytes if quantization == "gguf" and t.type in BLOCK_FORMATS else size(t.shape)
+                       for t in GGUFFile(path).tensors))
+    total = 0.0
+    for file in path.glob("*.safetensors"):
+        with open(file, "rb") as f:  # safetensors: an 8-byte length, then a JSON header of every tensor
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        total += sum(size(tuple(t["shape"])) for name, t in header.items() if name != "__metadata__")
+    return int(total)
 
 
 def model_files_dir(path: Path) -> tuple[str, str | None]:

@@ -69,6 +69,14 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self._model_name], stats[key])
             yield family
+        if "moe_expert_tokens" in stats:
+            family = CounterMetricFamily(PREFIX + "moe_expert_tokens", "Mixture of experts: tokens routed to each "
+                                         "expert of each sparse layer (the routing skew).",
+                                         labels=["model_name", "layer", "expert"])
+            for layer, counts in enumerate(stats["moe_expert_tokens"]):
+                for expert, tokens in enumerate(counts):
+                    family.add_metric([self._model_name, str(layer), str(expert)], tokens)
+            yield family
 
 
 class ServerMetrics:
