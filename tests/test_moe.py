@@ -26,6 +26,7 @@ from minivllm.bench.latency import weight_bytes_held
 from minivllm.model import build, gguf_reader, registry
 from minivllm.model.build import build_model
 from minivllm.model.decoder import SparseMoE
+from minivllm.model.gguf_file import GGUFFile
 from minivllm.model.loader import weight_bytes
 from minivllm.server.metrics import ServerMetrics
 from minivllm.spec_decode.extension import SpeculativeDecoding, StepCostModel
@@ -90,8 +91,10 @@ def _on_gguf_weights(directory: Path, path: Path):
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     state, experts_gate = {}, {}
-    for t in gguf.GGUFReader(path).tensors:
-        value = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+    file = GGUFFile(path)  # gguf-py's own reader parses the vocabulary element by element: seconds
+    for t in file.tensors:
+        raw = file.raw(t).numpy().reshape(*t.shape[:-1], -1)
+        value = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t.type)).copy())
         base, suffix = t.name.rsplit(".", 1)
         parts = base.split(".")
         if parts[0] != "blk":
