@@ -239,6 +239,10 @@ def tiny_config(kind: str) -> Any:
                                                                                     "rope_theta": 1000.0}}),
         "phi3": lambda: t.Phi3Config(**{**sizes, "max_position_embeddings": 1024}, rope_parameters=PHI3_LONGROPE,
                                      original_max_position_embeddings=256, sliding_window=None, pad_token_id=0),
+        # Longrope's threshold inside the test prompts: short factors below it, long ones above (test_families).
+        "phi3-threshold-32": lambda: t.Phi3Config(
+            **{**sizes, "max_position_embeddings": 1024}, sliding_window=None, pad_token_id=0,
+            rope_parameters={**PHI3_LONGROPE, "original_max_position_embeddings": 32}, original_max_position_embeddings=32),
         "smollm3": lambda: t.SmolLM3Config(**{**sizes, "num_hidden_layers": 4}, pad_token_id=0),
         "granite": lambda: t.GraniteConfig(**sizes, embedding_multiplier=4.0, attention_multiplier=0.2,
                                            residual_multiplier=0.5, logits_scaling=2.0),

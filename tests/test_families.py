@@ -28,8 +28,8 @@ from minivllm.model.loader import load_checkpoint
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.tokenizer import get_tokenizer
 from tests.helpers import (EQUALITY_PROMPTS, GEMMA_SPECIAL_IDS, FAMILY_NEW_TOKENS, HFGreedy, assert_family_matches,
-                           family_engine, family_prompts, greedy, save_tiny_model, sentencepiece_tokenizer,
-                           tiny_config)
+                           family_engine, family_prompts, greedy, mismatch_report, save_tiny_model,
+                           sentencepiece_tokenizer, tiny_config)
 from tests.llama_cpp import convert_hf_many
 
 FAMILIES = ["llama3.2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
@@ -159,6 +159,22 @@ def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
     finally:
         runner.attention_kernel = kernel
         model.use_native_kernels(True)
+
+
+def test_longrope_factors_chosen_per_request_as_transformers_does(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Phi-3's longrope with its threshold at 32 tokens: prompts above it (the long factors at every
+    position) and below it, decoding short of it (the short factors), equal transformers' one request at a
+    time, as transformers chooses per forward; a shorter prompt after a long one that shares its first
+    block does not reuse that block (its K/V took the long factors)."""
+    reference = HFGreedy(save_tiny_model(tiny_config("phi3-threshold-32"), tmp_path, tokenizer_dir))
+    llm = family_engine(tmp_path)
+    ids = family_prompts(llm)[1]
+    for prompt in (ids[:50], ids[:24], ids[:20], ids[:80]):
+        out = llm.generate([{"prompt_token_ids": prompt}], greedy(FAMILY_NEW_TOKENS), use_tqdm=False)[0]
+        expected = reference(prompt, FAMILY_NEW_TOKENS)
+        assert out.outputs[0].token_ids == expected, f"{len(prompt)} prompt tokens: " + mismatch_report(
+            reference.model, prompt, out.outputs[0].token_ids, expected)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_wrong_switch_breaks_equality(checkpoints: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -159,6 +159,9 @@ class LLMEngine:
         if self.tokenizer and self.detokenize:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         seq.bad_words_token_ids = self._bad_words(params.bad_words or [])
+        if self.model_config.long_rope(len(token_ids)):
+            seq.long_rope = True
+            seq.add_cache_salt(b"long rope")
         options = {k: v for k, v in options.items() if v is not None}
         for extension in self.extensions:
             extension.on_add(seq, options)

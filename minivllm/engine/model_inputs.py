@@ -21,7 +21,7 @@ def batch_inputs(sched: SchedulerOutput) -> BatchInputs:
         # It samples once the step computes its last token (scheduler.will_sample), and at each draft token.
         num_logits = start + n - len(token_ids) + 1 if start + n >= len(token_ids) else 0
         scored = NO_POSITIONS if seq.prompt_logprobs is None else prompt_logprob_positions(seq, n)
-        spans.append(SeqSpan(ids, start, seq.block_table, num_logits, scored, seq.lora, decode))
+        spans.append(SeqSpan(ids, start, seq.block_table, num_logits, scored, seq.lora, decode, seq.long_rope))
     return BatchInputs(spans, sched.num_padding_tokens)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,8 @@ class Sequence:
     num_spec_verified: int = 0
     num_spec_accepted: int = 0
     lora: Any = None  # the LoRA adapter it runs under (lora/layers.LoadedAdapter), or None for the base
-    cache_salt: bytes | None = None  # folded into its first prefix-cache block hash (the adapter's)
+    cache_salt: bytes | None = None  # folded into its first prefix-cache block hash (add_cache_salt)
+    long_rope: bool = False  # ModelConfig.long_rope: Phi-3's long rotary factors at every position
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -60,6 +62,11 @@ class Sequence:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    def add_cache_salt(self, salt: bytes) -> None:
+        """Fold `salt` into what names this request's prefix-cache blocks: K/V computed otherwise (under a
+        LoRA adapter, with longrope's long factors) is never shared with requests of the same tokens."""
+        self.cache_salt = salt if self.cache_salt is None else hashlib.sha256(self.cache_salt + salt).digest()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,7 +37,8 @@ class LoRAAdapters(StepExtension):
         lora_request = options.pop("lora_request", None)
         if lora_request is not None:
             adapter = self.adapter(lora_request)
-            seq.lora, seq.cache_salt = adapter, adapter.cache_salt
+            seq.lora = adapter
+            seq.add_cache_salt(adapter.cache_salt)
 
     def adapter(self, lora_request: LoRARequest) -> LoadedAdapter:
         if self.manager is None:

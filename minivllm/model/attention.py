@@ -61,6 +61,8 @@ class AttentionMetadata:
     kernel: Callable | None = None
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], torch path only
     prefills: list[PrefillSpan] = field(default_factory=list)  # torch path only
+    # [tokens] bool, where some prompt chunk takes longrope's long factors below their threshold position
+    long_rope: torch.Tensor | None = None
 
     @property
     def num_real_tokens(self) -> int:

@@ -33,6 +33,7 @@ class SeqSpan:
     # Whether the scheduler counts it a decode (a verify of draft tokens included): the runner goes by
     # the span's length, the step's cost model (bench/cost_model.py) by this.
     decode: bool = False
+    long_rope: bool = False  # Phi-3's longrope: the long rotary factors at every position (ModelConfig.long_rope)
 
 
 @dataclass(slots=True)

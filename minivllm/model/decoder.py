@@ -148,9 +148,10 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
 
 class Rotary(nn.Module):
     """cos/sin of each position's angles, float32 [tokens, rotary_dim / 2], computed once per forward
-    (no table to size). Longrope (Phi-3) uses its long factors from position original_max on: per
-    position, so a token's angles never depend on what else is in the batch (transformers switches
-    the whole forward at once, the same for every decoded token)."""
+    (no table to size). Longrope (Phi-3) uses its long factors from position original_max on, and at
+    every position of a request whose prompt is longer than that (`long_rows`: ModelConfig.long_rope),
+    as transformers chooses them; per token, so that a token's angles never depend on what else is in
+    the batch."""
 
     def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
@@ -163,11 +164,14 @@ class Rotary(nn.Module):
             self.register_buffer("long_inv_freq", 1.0 / (long * config.rope_theta ** exponents), persistent=False)
             self.long_from, self.attention_factor = scaling["original_max_position_embeddings"], scaling["attention_factor"]
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, long_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         if self.long_from is not None:
             long = positions.float()[:, None] * self.long_inv_freq[None, :]
-            freqs = torch.where(positions[:, None] >= self.long_from, long, freqs)
+            use_long = positions >= self.long_from
+            if long_rows is not None:
+                use_long = use_long | long_rows
+            freqs = torch.where(use_long[:, None], long, freqs)
         if self.attention_factor != 1.0:
             return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         return freqs.cos(), freqs.sin()
@@ -339,7 +343,7 @@ class CausalLM(nn.Module):
         residual = self.embed_tokens(input_ids)
         if self.config.embedding_scale != 1.0:  # Gemma: sqrt(hidden) rounded to the dtype first, as transformers
             residual = residual * torch.tensor(self.config.embedding_scale, dtype=residual.dtype)
-        ropes = [rotary(positions) for rotary in self.rotaries]
+        ropes = [rotary(positions, meta.long_rope) for rotary in self.rotaries]
         if self.native_forward is not None and meta.kernel is not None:  # adapters' rows too (their native kernel)
             return self.native_forward(residual, ropes, kv_caches, meta, self.lora)
         delta = None

@@ -77,6 +77,16 @@ class ModelConfig:
     def scale(self) -> float:
         return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 
+    def long_rope(self, num_prompt_tokens: int) -> bool:
+        """Phi-3's longrope: whether a request takes the long factors at every position. transformers picks
+        the short or the long factors for a whole forward by the length of its sequence, so a prompt longer
+        than original_max_position_embeddings is prefilled (and decoded) with the long ones. A shorter one
+        has the short ones; when it grows past that length, transformers recomputes its whole cache with
+        the long ones, where minivllm keeps the K/V computed and takes the long factors from there on
+        (decoder.Rotary)."""
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type") == "longrope" and num_prompt_tokens > scaling["original_max_position_embeddings"]
+
     @property
     def expert_size(self) -> int:
         return self.moe_intermediate_size or self.intermediate_size

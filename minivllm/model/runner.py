@@ -113,6 +113,9 @@ class ModelRunner:
             max_span_len=max((n for _, n, _ in rows), default=1),
             block_tables=torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in spans],
                                       dtype=torch.long, device=dev).view(len(spans), max_blocks))
+        if any(s.long_rope for s in prefills):  # decodes are past the threshold: long by position already
+            meta.long_rope = torch.tensor([s.long_rope for s in spans for _ in s.token_ids] +
+                                          [False] * batch.num_padding_tokens, dtype=torch.bool, device=dev)
         if self.attention_kernel is None:  # what the torch path needs besides
             meta.decode_mask = decode_mask(span_ctx0[:len(decodes)], max_blocks * bs)
             meta.prefills = [self._prefill_span(s.block_table, first, s.start, s.start + len(s.token_ids))
