@@ -14,7 +14,7 @@ import importlib.util
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,30 +57,39 @@ def resolve_model_path(model: str | None) -> Path:
 
 @functools.lru_cache(maxsize=8)
 def checkpoint_digest(path: Path) -> str:
-    """sha256 of the checkpoint's bytes (a GGUF file, or every file of a directory with its name):
-    what the caches built from it are keyed by. Hashing reads the whole checkpoint (0.1 s per 100 MB),
-    so the result is remembered per version of its files, as git's index does: a file's path, size,
-    modification time and inode name the version."""
+    """sha256 of the checkpoint's bytes (a GGUF file, or every file of a directory with its name): what
+    the caches built from it are keyed by. Hashing reads the whole checkpoint (0.1 s per 100 MB)."""
+    def digest(files: list[Path]) -> str:
+        sha = hashlib.sha256()
+        for file in files:
+            sha.update(file.name.encode() + b"\0")
+            with open(file, "rb") as f:
+                sha.update(hashlib.file_digest(f, "sha256").digest())
+        return sha.hexdigest()
+
+    return remembered_digest(path, "bytes", digest)
+
+
+def remembered_digest(path: Path, kind: str, compute: Callable[[list[Path]], str]) -> str:
+    """`compute(the checkpoint's files)`, a sha256 hex digest, remembered on disk per version of the files,
+    as git's index does (a file's path, size, modification time and inode name the version): what is
+    costly to compute (hashing, parsing a vocabulary) is computed once per version and `kind`."""
     files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
     stamps = [(str(f.resolve()), s.st_size, s.st_mtime_ns, s.st_ino) for f in files for s in [f.stat()]]
-    memo = cache_dir() / "digests" / hashlib.sha256(repr(stamps).encode()).hexdigest()[:32]
+    memo = cache_dir() / "digests" / hashlib.sha256(repr((kind, stamps)).encode()).hexdigest()[:32]
     try:
         known = memo.read_text()
         if len(known) == 64:  # not a write cut short
             return known
     except OSError:
         pass
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode() + b"\0")
-        with open(file, "rb") as f:
-            digest.update(hashlib.file_digest(f, "sha256").digest())
+    digest = compute(files)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(digest.hexdigest())
+        memo.write_text(digest)
     except OSError:
-        pass  # a read-only cache: hashed again next time
-    return digest.hexdigest()
+        pass  # a read-only cache: computed again next time
+    return digest
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype | None = None, keep_quantized: bool = False

@@ -45,11 +45,11 @@ class ModelRunner:
         if DecodeGraphs.applies(self):
             self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
 
-    @torch.inference_mode()
     def stats(self) -> dict[str, Any]:
         """What the model counts, for the engine's stats: a mixture of experts' tokens per expert and layer."""
         return {"moe_expert_tokens": self.model.expert_load()} if self.model.config.num_experts else {}
 
+    @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
         """Logits (float32): the last `num_logits` rows of each span that has them, in the order of
         `batch.spans` (a verify's: its last token's, then each draft token's), then one row per position

@@ -22,7 +22,7 @@ from typing import Any
 
 from minivllm.config import cache_dir
 from minivllm.model.gguf_file import GGUFFile
-from minivllm.model.loader import model_files_dir
+from minivllm.model.loader import model_files_dir, remembered_digest
 from minivllm.model.model_config import ModelConfig
 
 # Bump when what minivllm saves for a converted tokenizer changes.
@@ -151,8 +151,11 @@ def _special_token(files: Path, name: str) -> str | None:
 def gguf_tokenizer_key(path: Path) -> str:
     """What the conversion depends on: the file's tokenizer metadata and architecture (not its weights:
     the quantizations of one model share a conversion) and the versions of the code that converts."""
-    f = GGUFFile(path)
-    digest = hashlib.sha256(f.metadata_bytes("tokenizer.") + f.metadata_bytes("general.architecture"))
+    def tokenizer_digest(files: list[Path]) -> str:
+        f = GGUFFile(files[0])
+        return hashlib.sha256(f.metadata_bytes("tokenizer.") + f.metadata_bytes("general.architecture")).hexdigest()
+
+    digest = hashlib.sha256(remembered_digest(path, "tokenizer", tokenizer_digest).encode())
     for part in (version("transformers"), version("tokenizers"), str(TOKENIZER_CACHE_VERSION)):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:32]
