@@ -196,7 +196,7 @@ def test_report_names_the_target_and_what_falls_back(cpu_target):
     line = report(torch.device("cpu"), torch.bfloat16)
     if section == "none":
         assert line == (f"minivllm: kernels for {cpu_target} (none): paged attention, layer ops, LoRA; "
-                        "torch for: quantized GEMM, GEMM, layer loop")
+                        "torch for: quantized GEMM, GEMM, layer loop, experts")
     else:
         assert line == f"minivllm: kernels for {cpu_target} ({section}): {families}; torch for: nothing"
     float16 = report(torch.device("cpu"), torch.float16)

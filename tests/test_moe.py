@@ -31,7 +31,7 @@ from minivllm.model.loader import weight_bytes
 from minivllm.server.metrics import ServerMetrics
 from minivllm.spec_decode.extension import SpeculativeDecoding, StepCostModel
 from tests.helpers import (FAMILY_NEW_TOKENS, HFGreedy, assert_family_matches, family_engine, family_prompts, greedy,
-                           save_tiny_model, tiny_config)
+                           layer_loop_outputs, save_tiny_model, tiny_config)
 from tests.llama_cpp import convert_hf_many
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe"]
@@ -122,6 +122,8 @@ def test_hf_directory_matches_transformers(kind: str, checkpoints: dict) -> None
     assert config.num_experts == 4 and config.num_experts_per_tok == 2
     assert config.dense_layers == ([1] if kind == "qwen3_moe" else [])
     assert llm.engine.runner.batch_invariant  # the experts on the native kernels
+    # forward.c's layer loop, csrc/moe.c in it; OLMoE's projection-wide q/k norms keep the Python loop
+    assert (llm.engine.runner.model.native_forward is None) == (kind == "olmoe")
     assert_family_matches(llm, reference)
     # The routing skew: each sparse layer sent each token to 2 experts (a prompt shorter than a block:
     # nothing from the cache), as the engine's stats and /metrics count it.
@@ -191,6 +193,38 @@ def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
     finally:
         runner.attention_kernel = kernel
         runner.model.use_native_kernels(True)
+
+
+@torch.inference_mode()
+def test_expert_kernel_against_its_torch_twin(checkpoints: dict) -> None:
+    """csrc/moe.c (router, grouped experts, weighted sum, the shared expert) against moe.py's torch code
+    on the same layer: float32 outputs within rounding, the same routing counts; and a token's row the
+    same bits alone as beside others (bf16)."""
+    llm = family_engine(checkpoints["qwen2_moe"][0])
+    moe = next(layer.mlp for layer in llm.engine.runner.model.layers if isinstance(layer.mlp, SparseMoE))
+    native, x = moe.native, torch.randn(9, moe.gate.in_features, generator=torch.Generator().manual_seed(0))
+    assert native is not None and moe.shared_expert is not None
+    before = moe.expert_load.clone()
+    out = moe(x)
+    counted = moe.expert_load - before
+    moe.native = None
+    try:
+        twin = moe(x)
+    finally:
+        moe.native = native
+    assert torch.allclose(out, twin, rtol=1e-4, atol=1e-5) and torch.equal(moe.expert_load - before, 2 * counted)
+    bf16 = family_engine(checkpoints["qwen2_moe"][0], "bfloat16").engine.runner.model
+    moe = next(layer.mlp for layer in bf16.layers if isinstance(layer.mlp, SparseMoE))
+    x = x.bfloat16()
+    assert all(torch.equal(moe(x[t:t + 1])[0], row) for t, row in enumerate(moe(x)))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])  # a shared expert; a dense layer among sparse ones
+def test_native_layer_loop_equals_python_loop(kind: str, checkpoints: dict) -> None:
+    llm = family_engine(checkpoints[kind][0], "bfloat16")
+    assert llm.engine.runner.model.native_forward is not None
+    prompts = [{"prompt_token_ids": p} for p in family_prompts(llm)]
+    assert layer_loop_outputs(llm, True, prompts=prompts) == layer_loop_outputs(llm, False, prompts=prompts)
 
 
 class FlatStepCost(StepCostModel):

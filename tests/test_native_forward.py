@@ -38,14 +38,14 @@ def test_smaller_targets_run_the_layer_loop_natively(target: str, monkeypatch: p
 
 
 def _c_structs() -> dict[str, list[tuple[str, str]]]:
-    """forward.c's typedef'd structs: name -> [(field, kind)], kind one of ptr, i64, f32, [n]ptr, or a
+    """forward.c's and layer_desc.h's typedef'd structs: name -> [(field, kind)], kind one of ptr, i64, f32, [n]ptr, or a
     struct's name (or that name with [n] for an array of them)."""
     import re
     from pathlib import Path
 
     from minivllm.model import kernels
 
-    source = (Path(kernels.CSRC) / "forward.c").read_text()
+    source = "".join((Path(kernels.CSRC) / name).read_text() for name in ("layer_desc.h", "forward.c"))
     source = re.sub(r"/\*.*?\*/", "", source, flags=re.S)
     constants = {name: int(value) for name, value in re.findall(r"#define (\w+) (\d+)", source)}
     structs = {}
@@ -76,12 +76,12 @@ def _ctypes_kind(ctype) -> str:
     return {ctypes.c_int64: "i64", ctypes.c_float: "f32"}.get(ctype) or _C_NAMES[ctype.__name__]
 
 
-_C_NAMES = {"_Segment": "SegmentDesc", "_Linear": "LinearDesc", "_Layer": "LayerDesc", "_Model": "ModelDesc",
-            "_Step": "StepDesc"}
+_C_NAMES = {"_Segment": "SegmentDesc", "_Linear": "LinearDesc", "_Expert": "ExpertDesc", "_MoE": "MoEDesc",
+            "_Layer": "LayerDesc", "_Model": "ModelDesc", "_Step": "StepDesc"}
 
 
 def test_c_structs_agree_with_the_python_description() -> None:
-    """native_forward.py's ctypes structs are forward.c's, field for field (name, order and kind): the
+    """native_forward.py's ctypes structs are forward.c's and layer_desc.h's, field for field (name, order and kind): the
     layer description has one source of truth, and this test holds the other to it."""
     from minivllm.model import native_forward
 

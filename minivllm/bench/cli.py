@@ -222,7 +222,7 @@ def cmd_roofline(args: argparse.Namespace) -> None:
     kernels = {name: report(device, getattr(torch, name)) for name in roof.per_dtype}  # the target, what runs
     for line in kernels.values():
         print(line.removeprefix("minivllm: "))
-    file_bytes = file_bytes_per_token(path)
+    file_bytes = file_bytes_per_token(path, model_config)
     bound = roof.read_bandwidth / file_bytes
     print(f"batch-1 bound of {path.name} as stored: {file_bytes / 1e6:.0f} MB of tensors read per token / "
           f"{roof.read_bandwidth / 1e9:.1f} GB/s = {bound:.1f} tokens/s")

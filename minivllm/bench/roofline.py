@@ -13,6 +13,7 @@ into a ratio that does not depend on how busy or fast the machine was that day.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -170,9 +171,14 @@ def measure(config: ModelConfig, device: torch.device, tokens: int = 512, dtypes
     return Roofline(str(device), torch.get_num_threads(), tokens, read_bandwidth(device), per_dtype)
 
 
-def file_bytes_per_token(path: Path) -> int:
+# An expert's tensor: GGUF's stacked ffn_*_exps, HF's per-expert `experts.N` or Granite's stacked input/output_linear.
+_EXPERT_TENSOR = re.compile(r"_exps\.|\.experts\.|\.(?:input|output)_linear\.")
+
+
+def file_bytes_per_token(path: Path, config: ModelConfig) -> int:
     """The checkpoint's tensor bytes a batch-1 decode step reads: every tensor but the token embedding
-    (a lookup of one row), unless it is also the LM head (tied)."""
+    (a lookup of one row), unless it is also the LM head (tied); of a mixture of experts' expert
+    tensors, the share of the k experts a token runs (num_experts_per_tok / num_experts)."""
     if path.is_dir():
         from safetensors import safe_open
 
@@ -189,7 +195,9 @@ def file_bytes_per_token(path: Path) -> int:
         nbytes = {t.name: t.nbytes for t in GGUFFile(path).tensors}
         embedding, head = "token_embd.weight", "output.weight"
     tied = head not in nbytes
-    return sum(size for name, size in nbytes.items() if name != embedding or tied)
+    active = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
+    return round(sum(size * (active if _EXPERT_TENSOR.search(name) else 1.0)
+                     for name, size in nbytes.items() if name != embedding or tied))
 
 
 _SAFETENSORS_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}

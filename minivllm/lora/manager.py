@@ -30,6 +30,8 @@ class Target:
 def model_targets(model) -> list[Target]:
     """The adaptable linear layers of a llama.py model, in a fixed order."""
     cfg = model.config
+    if cfg.num_experts:  # the experts' MLPs would need an adapter each: not built
+        raise ValueError("LoRA adapters on a mixture-of-experts model are not supported")
     q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     targets = []
     for i, layer in enumerate(model.layers):

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.attention import AttentionMetadata, paged_attention
-from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_ops, quant_gemm
+from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_ops, moe_kernel, quant_gemm
 from minivllm.model.kv_cache import KVCache
 from minivllm.model.model_config import NO_ROPE, ROPE_LOCAL, ModelConfig
 from minivllm.model.moe import route, run_experts
-from minivllm.model.native_forward import NativeForward
+from minivllm.model.native_forward import NativeForward, NativeMoE
 from minivllm.model.quant import QuantizedWeight
 
 
@@ -265,7 +265,10 @@ class MLP(nn.Module):
 class SparseMoE(nn.Module):
     """A sparse layer's MLP: the router (`gate`) picks each token's top-k experts, each an MLP; Qwen2-MoE
     adds a shared expert that every token runs, scaled by sigmoid(x . shared_expert_gate). `expert_load`
-    counts the tokens each expert has taken since the model was built (the routing skew, for /metrics)."""
+    counts the tokens each expert has taken since the model was built (the routing skew, for /metrics).
+    With every linear native, the whole layer is one call to csrc/moe.c (`native`); moe.py is its twin."""
+
+    native: NativeMoE | None = None  # set by CausalLM.use_native_kernels where it applies
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -278,6 +281,8 @@ class SparseMoE(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native(x)
         weights, ids = route(self.gate(x), self.top_k, self.routing, self.norm_topk_prob)
         out = run_experts(x, weights, ids, self.experts, self.expert_load)
         if self.shared_expert is not None:
@@ -378,6 +383,11 @@ class CausalLM(nn.Module):
                 module.use_native(enabled, device, dtype)
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+        experts = moe_kernel(device, dtype) if enabled else None
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                linears_native = all(m.uses_native for m in module.modules() if isinstance(m, Linear))
+                module.native = NativeMoE(module, self.config, experts) if experts and linears_native else None
         function = forward_layers(device, dtype) if enabled and NativeForward.covers(self.config) else None
         self.native_forward = NativeForward(self, function) if function and self.uses_native_kernels else None
 
@@ -387,7 +397,7 @@ class CausalLM(nn.Module):
             return "native layer loop (csrc/forward.c)"
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
         if not NativeForward.covers(self.config):
-            return "Python layer loop: csrc/forward.c has no mixture-of-experts or projection q/k-norm layers"
+            return "Python layer loop: csrc/forward.c has no projection q/k-norm layers"
         if forward_layers(device, dtype) is None:
             return f"Python layer loop: no native layer loop for {device.type}/{dtype} on this target"
         torch_linears = [n for n, m in self.named_modules() if isinstance(m, Linear) and not m.uses_native]
@@ -397,4 +407,5 @@ class CausalLM(nn.Module):
     def uses_native_kernels(self) -> bool:
         """Whether every GEMM and layer op runs natively (the batch-invariant kernels)."""
         return all(m.uses_native for m in self.modules() if isinstance(m, Linear)) and all(
-            m.ops is not None for m in self.modules() if isinstance(m, (RMSNorm, Attention, MLP)))
+            m.ops is not None for m in self.modules() if isinstance(m, (RMSNorm, Attention, MLP))) and all(
+            m.native is not None for m in self.modules() if isinstance(m, SparseMoE))

@@ -144,6 +144,7 @@ def library(arch: str) -> ctypes.CDLL | None:
             getattr(lib, f"qrows_{suffix}").argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _I64, _PTR]
         if hasattr(lib, f"forward_layers_{suffix}"):
             getattr(lib, f"forward_layers_{suffix}").argtypes = [_PTR, _PTR, _PTR, _PTR]
+            getattr(lib, f"moe_{suffix}").argtypes = [_PTR, _PTR, _PTR, _I64, _I64]
         getattr(lib, f"lora_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
     lib.simd_target.restype = ctypes.c_char_p
     return lib
@@ -155,7 +156,7 @@ def _cpu_library(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None
 
 
 # The groups of native kernels, each named by one function that exists when it does (the torch twins otherwise).
-KERNEL_GROUPS = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_layers",
+KERNEL_GROUPS = {"quantized GEMM": "qgemm", "GEMM": "gemm", "layer loop": "forward_layers", "experts": "moe",
                  "paged attention": "paged_attention", "layer ops": "add_rms_norm", "LoRA": "lora"}
 
 
@@ -317,6 +318,12 @@ def forward_layers(device: torch.device, dtype: torch.dtype):
     """csrc/forward.c's layer loop for this device and dtype (native_forward.py drives it), or None."""
     lib = _cpu_library(device, dtype)
     return None if lib is None else getattr(lib, f"forward_layers_{_DTYPE_SUFFIX[dtype]}", None)
+
+
+def moe_kernel(device: torch.device, dtype: torch.dtype):
+    """csrc/moe.c's mixture-of-experts MLP for this device and dtype (native_forward.NativeMoE drives it), or None."""
+    lib = _cpu_library(device, dtype)
+    return None if lib is None else getattr(lib, f"moe_{_DTYPE_SUFFIX[dtype]}", None)
 
 
 LORA_LANES, LORA_CHUNK = 16, 64  # csrc/lora.h: rank and column padding

@@ -7,9 +7,10 @@ and then runs all layers of a step in one call to the same kernels in the same o
 as the Python loop, which stays the readable reference and the path for what this one does not cover
 (the torch twins, tensor-parallel ranks). A step with LoRA adapters passes their segments along (the
 arrays of lora/layers.py's LoRAContext), and forward.c adds them after each linear as the Python loop's
-hooks do. Every family switch the registry knows is covered (forward.c's LayerDesc and ModelDesc); the
-structs below mirror forward.c's field for field, which tests/test_native_forward.py checks against the
-C source.
+hooks do. A sparse layer's mixture of experts is one call to csrc/moe.c (NativeMoE), in both loops.
+Every family switch the registry knows is covered (forward.c's LayerDesc and ModelDesc); the structs
+below mirror forward.c's and layer_desc.h's field for field, which tests/test_native_forward.py checks
+against the C source.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.kv_cache import KVCache
-from minivllm.model.model_config import ACTIVATIONS, ModelConfig
+from minivllm.model.model_config import ACTIVATIONS, ROUTINGS, ModelConfig
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -37,8 +38,19 @@ class _Linear(ctypes.Structure):
                 ("segments", _Segment * MAX_SEGMENTS)]
 
 
+class _Expert(ctypes.Structure):
+    _fields_ = [("gate_up", _Linear), ("down", _Linear)]
+
+
+class _MoE(ctypes.Structure):
+    _fields_ = [("router", _Linear), ("experts", ctypes.POINTER(_Expert)), ("shared", _Expert),
+                ("shared_gate", _Linear)] + [
+        (name, _I64) for name in ("num_experts", "top_k", "inter", "shared_inter", "routing", "norm_topk_prob",
+                                  "act")] + [("load", _PTR)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)] + [
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("moe", _PTR)] + [
         (name, _PTR) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")] + [
         ("rope", _I64), ("window", _I64)]
 
@@ -73,12 +85,18 @@ def _linear(module) -> _Linear:
     return _Linear(packed.data_ptr(), _ptr(bias), module.out_features, module.in_features, 0)
 
 
+def _expert(mlp) -> _Expert:
+    return _Expert(_linear(mlp.gate_up_proj), _linear(mlp.down_proj)) if mlp is not None else _Expert()
+
+
 def _layer(layer) -> _Layer:
-    """A decoder.DecoderLayer as forward.c's LayerDesc."""
-    attn, sandwich = layer.self_attn, layer.sandwich
+    """A decoder.DecoderLayer as forward.c's LayerDesc; a sparse layer's MLP is its NativeMoE's description."""
+    attn, sandwich, mlp = layer.self_attn, layer.sandwich, layer.mlp
     mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-    return _Layer(_linear(attn.qkv_proj), _linear(attn.o_proj), _linear(layer.mlp.gate_up_proj),
-                  _linear(layer.mlp.down_proj), layer.input_layernorm.weight.data_ptr(), mlp_norm.weight.data_ptr(),
+    dense = _expert(None if hasattr(mlp, "experts") else mlp)
+    moe = ctypes.addressof(mlp.native.desc) if hasattr(mlp, "experts") else None
+    return _Layer(_linear(attn.qkv_proj), _linear(attn.o_proj), dense.gate_up, dense.down, moe,
+                  layer.input_layernorm.weight.data_ptr(), mlp_norm.weight.data_ptr(),
                   _weight(attn.q_norm), _weight(attn.k_norm),
                   _weight(layer.post_attention_layernorm if sandwich else None),
                   _weight(layer.post_feedforward_layernorm if sandwich else None), attn.rope, attn.window or 0)
@@ -96,12 +114,33 @@ def _address(function) -> int | None:
     return None if function is None else ctypes.cast(function, ctypes.c_void_p).value
 
 
+class NativeMoE:
+    """decoder.SparseMoE in one call to csrc/moe.c: the router, the grouped experts, the weighted sum and
+    the shared expert. Its description (a MoEDesc) also joins forward.c's layer loop, so that the Python
+    loop and the native one run the same kernel and give the same bits."""
+
+    def __init__(self, moe, config: ModelConfig, function) -> None:
+        self._function = function
+        self._experts = (_Expert * len(moe.experts))(*[_expert(e) for e in moe.experts])
+        shared_gate = _linear(moe.shared_expert_gate) if moe.shared_expert is not None else _Linear()
+        self.desc = _MoE(_linear(moe.gate), self._experts, _expert(moe.shared_expert), shared_gate,
+                         config.num_experts, config.num_experts_per_tok, config.expert_size,
+                         config.shared_expert_size or 0, ROUTINGS.index(config.routing), int(config.norm_topk_prob),
+                         ACTIVATIONS.index(config.hidden_act), moe.expert_load.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._function(ctypes.byref(self.desc), x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+        return out
+
+
 class NativeForward:
     @staticmethod
     def covers(config: ModelConfig) -> bool:
-        """Whether forward.c runs this model's layers: not a mixture of experts, nor OLMoE's q/k norms
-        over the whole projection (decoder.py's Python loop runs those, on the same native kernels)."""
-        return config.num_experts == 0 and config.qk_norm_span == "head" and config.clip_qkv is None
+        """Whether forward.c runs this model's layers: not OLMoE's q/k norms over the whole projection
+        (decoder.py's Python loop runs those, on the same native kernels)."""
+        return config.qk_norm_span == "head" and config.clip_qkv is None
 
     def __init__(self, model, function) -> None:
         cfg = model.config

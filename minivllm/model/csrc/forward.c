@@ -4,7 +4,8 @@
  * A decode step of one sequence does ~0.3 ms of arithmetic per layer on a small model but pays ~0.1 ms
  * of Python per layer to launch its dozen kernels (ctypes calls, torch views and allocations); over 30
  * layers the launches cost as much as the work. Here one call runs every layer: norms, the fused QKV
- * projection, rotary, the KV write, paged attention, the output projection, the MLP. Each step calls
+ * projection, rotary, the KV write, paged attention, the output projection, the MLP (a sparse layer's
+ * mixture of experts: moe.c). Each step calls
  * exactly the functions of decoder.py's native path with the same arguments, so the result is the same
  * bits (tests/test_native_forward.py checks it); the Python loop stays as the readable reference.
  * The KV pool's format (--kv-cache-dtype) picks the attention kernel and, for a quantized pool, the
@@ -16,34 +17,21 @@
  * A step serving LoRA adapters passes its segments (runs of rows of one adapter, as lora/layers.py's
  * LoRAContext makes them): each linear adds them with lora.c's kernel right after its GEMM, as
  * decoder.Linear's lora hook does in the Python loop.
- * native_forward.py mirrors these structs field for field (tests/test_native_forward.py compares them).
+ * native_forward.py mirrors these structs and layer_desc.h's field for field (tests/test_native_forward.py
+ * compares them).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "layer_desc.h"
 #include "lora.h"
 #include "simd.h"
 
-#define MAX_SEGMENTS 3  /* a fused q/k/v in three formats */
-
 typedef struct {
-    const void *weight;  /* quant_gemm.c's packed panels of one block format */
-    int64_t n;           /* output columns */
-    int64_t qtype;       /* ggml's type id */
-} SegmentDesc;
-
-typedef struct {
-    const void *weight;  /* gemm.c's float panels (num_segments == 0) */
-    const float *bias;   /* float32 (the float GEMM's padded to whole panels), or NULL */
-    int64_t n, k;
-    int64_t num_segments;  /* 0: float (gemm_*); else quantized (qgemm_*), one call per segment */
-    SegmentDesc segments[MAX_SEGMENTS];
-} LinearDesc;
-
-typedef struct {
-    LinearDesc qkv, o, gate_up, down;
+    LinearDesc qkv, o, gate_up, down;  /* gate_up and down: a dense MLP's (unused where moe is set) */
+    const MoEDesc *moe;  /* a sparse layer's mixture of experts (moe.c), or NULL: the dense MLP */
     const void *input_norm, *post_norm;  /* post_norm: the MLP's input norm */
     const void *q_norm, *k_norm;  /* per head, or NULL */
     const void *attn_out_norm, *mlp_out_norm;  /* Gemma's norms of the attention and MLP outputs, or NULL */
@@ -79,11 +67,9 @@ typedef struct {
 
 #define LORA_TARGETS 4  /* the adaptable linears of a layer */
 
-#define DECLARE_KERNELS(S, T, W)                                                                         \
-    void gemm_##S(const T *x, int64_t ldx, const W *w, const float *bias, T *out, int64_t ldo,          \
-                  int64_t M, int64_t N, int64_t K);                                                      \
-    void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,              \
-                   T *out, int64_t ldo, int64_t M, int64_t N, int64_t K);                                \
+#define DECLARE_KERNELS(S, T)                                                                            \
+    void apply_linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M);                           \
+    void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden);                       \
     void add_rms_norm_##S(const T *delta, T *residual, const T *weight, T *out, int64_t tokens,          \
                           int64_t hidden, float eps);                                                    \
     void rotary_##S(T *q, int64_t q_stride, T *k, int64_t k_stride, const float *cos, const float *sin, \
@@ -111,18 +97,12 @@ typedef struct {
                   int64_t n_pad, int64_t num_segments, const int64_t *starts, const int64_t *lens,       \
                   const int64_t *weights);
 
-#define DEFINE_FORWARD(S, T, W)                                                                          \
-DECLARE_KERNELS(S, T, W)                                                                                 \
+#define DEFINE_FORWARD(S, T)                                                                             \
+DECLARE_KERNELS(S, T)                                                                                    \
                                                                                                          \
 /* out = x W^T (+ bias), then the step's adapters on their rows; `target` indexes StepDesc.lora_weights. */ \
 static void linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M, const StepDesc *s, int64_t target) { \
-    if (!l->num_segments)                                                                                \
-        gemm_##S(x, l->k, (const W *)l->weight, l->bias, out, l->n, M, l->n, l->k);                      \
-    for (int64_t i = 0, offset = 0; i < l->num_segments; offset += l->segments[i++].n) {                 \
-        const SegmentDesc *seg = &l->segments[i];                                                        \
-        qgemm_##S(x, l->k, (const uint8_t *)seg->weight, (int)seg->qtype, l->bias ? l->bias + offset : NULL, \
-                  out + offset, l->n, M, seg->n, l->k);                                                  \
-    }                                                                                                    \
+    apply_linear_##S(l, x, out, M);                                                                      \
     if (s->lora_segments)                                                                                \
         lora_##S(x, l->k, out, l->n, l->k, l->n, (l->n + LORA_CHUNK - 1) / LORA_CHUNK * LORA_CHUNK,      \
                  s->lora_segments, s->lora_starts, s->lora_lens, s->lora_weights + target * s->lora_segments * 4); \
@@ -182,9 +162,13 @@ void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *o
         linear_##S(&L->o, attn, delta, M, s, i * LORA_TARGETS + 1);                                      \
         pending = sandwich_##S(L->attn_out_norm, delta, sandwiched, m, M);                               \
         add_rms_norm_##S(pending, residual, (const T *)L->post_norm, normed, M, m->hidden, m->eps);      \
-        linear_##S(&L->gate_up, normed, gate_up, M, s, i * LORA_TARGETS + 2);                            \
-        (m->act ? gelu_tanh_and_mul_##S : silu_and_mul_##S)(gate_up, act, M, m->inter);                  \
-        linear_##S(&L->down, act, delta, M, s, i * LORA_TARGETS + 3);                                    \
+        if (L->moe) {  /* no adapters here: lora/manager.py refuses MoE models */              \
+            moe_##S(L->moe, normed, delta, M, m->hidden);                                                \
+        } else {                                                                                         \
+            linear_##S(&L->gate_up, normed, gate_up, M, s, i * LORA_TARGETS + 2);                        \
+            (m->act ? gelu_tanh_and_mul_##S : silu_and_mul_##S)(gate_up, act, M, m->inter);              \
+            linear_##S(&L->down, act, delta, M, s, i * LORA_TARGETS + 3);                                \
+        }                                                                                                \
         pending = sandwich_##S(L->mlp_out_norm, delta, sandwiched, m, M);                                \
     }                                                                                                    \
     add_rms_norm_##S(pending, residual, (const T *)m->final_norm, out, M, m->hidden, m->eps);            \
@@ -196,6 +180,6 @@ void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *o
 #define STORE_f32 f32_store
 #define LOAD_bf16 bf16_to_float
 #define STORE_bf16 float_to_bf16
-DEFINE_FORWARD(f32, float, float)
-DEFINE_FORWARD(bf16, uint16_t, uint32_t)
+DEFINE_FORWARD(f32, float)
+DEFINE_FORWARD(bf16, uint16_t)
 #endif

@@ -1,0 +1,145 @@
+/* A mixture-of-experts MLP in one call: the router, each token's top-k experts, the weighted sum, and
+ * Qwen2-MoE's shared expert (model/moe.py is its torch twin, decoder.SparseMoE its caller).
+ *
+ * A step's (token, slot) pairs are grouped by expert with a stable counting sort; each chosen expert
+ * gathers its rows and runs once over all of them, so its weights are read once per step however many
+ * tokens chose it (llama.cpp's mul_mat_id). Batch-invariant like every kernel here: the GEMMs compute a
+ * row the same whatever the row count, the routing is per token, and a token's k outputs are summed in
+ * its own top-k order, rounded to the dtype after each product and sum exactly where moe.py's torch
+ * code rounds, never in an order that depends on the other tokens of the step.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "layer_desc.h"
+#include "simd.h"
+
+/* The router's choice for one token: the k best experts (ties: the lower id first) and their weights,
+ * best first, as moe.route computes them. */
+static void route_token(const float *logits, int64_t E, int64_t K, int64_t routing, int64_t norm_topk_prob,
+                        float *weights, int64_t *ids) {
+    float scores[E];
+    float max = logits[0];
+    for (int64_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
+    if (routing == 0) {  /* softmax over every expert, then the top k of the probabilities */
+        float sum = 0.f;
+        for (int64_t e = 0; e < E; e++) sum += scores[e] = expf(logits[e] - max);
+        for (int64_t e = 0; e < E; e++) scores[e] /= sum;
+    } else {
+        memcpy(scores, logits, sizeof(float) * E);
+    }
+    for (int64_t j = 0; j < K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
+        }
+        ids[j] = best;
+        weights[j] = scores[best];
+    }
+    if (routing == 1) {  /* softmax over the k chosen logits (the first is their maximum) */
+        const float top = weights[0];
+        float sum = 0.f;
+        for (int64_t j = 0; j < K; j++) sum += weights[j] = expf(weights[j] - top);
+        for (int64_t j = 0; j < K; j++) weights[j] /= sum;
+    } else if (norm_topk_prob) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < K; j++) sum += weights[j];
+        for (int64_t j = 0; j < K; j++) weights[j] /= sum;
+    }
+}
+
+#define DEFINE_MOE(S, T, W, LOAD, STORE)                                                                   \
+void gemm_##S(const T *x, int64_t ldx, const W *w, const float *bias, T *out, int64_t ldo,              \
+              int64_t M, int64_t N, int64_t K);                                                          \
+void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,                  \
+               T *out, int64_t ldo, int64_t M, int64_t N, int64_t K);                                    \
+void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter);                          \
+void gelu_tanh_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter);                     \
+                                                                                                         \
+/* out[M, n] = x[M, k] W^T (+ bias): the float GEMM, or the quantized one per segment. */                 \
+void apply_linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {                              \
+    if (!l->num_segments)                                                                                \
+        gemm_##S(x, l->k, (const W *)l->weight, l->bias, out, l->n, M, l->n, l->k);                      \
+    for (int64_t i = 0, offset = 0; i < l->num_segments; offset += l->segments[i++].n) {                 \
+        const SegmentDesc *seg = &l->segments[i];                                                        \
+        qgemm_##S(x, l->k, (const uint8_t *)seg->weight, (int)seg->qtype, l->bias ? l->bias + offset : NULL, \
+                  out + offset, l->n, M, seg->n, l->k);                                                  \
+    }                                                                                                    \
+}                                                                                                        \
+                                                                                                         \
+/* decoder.MLP: down(act(gate) * up) over M rows; `gate_up` and `hidden` are scratch of M rows. */      \
+static void expert_##S(const ExpertDesc *e, int64_t inter, int64_t act, const T *x, T *out, int64_t M,  \
+                       T *gate_up, T *hidden) {                                                          \
+    apply_linear_##S(&e->gate_up, x, gate_up, M);                                                        \
+    (act ? gelu_tanh_and_mul_##S : silu_and_mul_##S)(gate_up, hidden, M, inter);                         \
+    apply_linear_##S(&e->down, hidden, out, M);                                                          \
+}                                                                                                        \
+                                                                                                         \
+/* out[M, hidden] = the MoE MLP of x[M, hidden]. */                                                     \
+void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) {                          \
+    const int64_t E = d->num_experts, K = d->top_k, P = M * K;  /* P (token, slot) pairs */             \
+    const int64_t width = d->inter > d->shared_inter ? d->inter : d->shared_inter;                       \
+    /* An expert takes at most M rows (a token picks it once): its scratch is M rows, the k outputs P. */  \
+    T *logits = malloc(sizeof(T) * M * E), *rows = malloc(sizeof(T) * M * hidden);                      \
+    T *results = malloc(sizeof(T) * M * hidden), *expert_out = malloc(sizeof(T) * P * hidden);          \
+    T *gate_up = malloc(sizeof(T) * M * 2 * width), *hidden_buf = malloc(sizeof(T) * M * width);        \
+    float *weights = malloc(sizeof(float) * P);                                                          \
+    int64_t *ids = malloc(sizeof(int64_t) * P), *order = malloc(sizeof(int64_t) * P);                    \
+    int64_t *starts = calloc(E + 1, sizeof(int64_t));                                                    \
+    apply_linear_##S(&d->router, x, logits, M);                                                          \
+    for (int64_t t = 0; t < M; t++) {                                                                    \
+        float row[E];  /* the logits in the dtype, widened as moe.route's .float() */                   \
+        for (int64_t e = 0; e < E; e++) row[e] = LOAD(logits[t * E + e]);                                \
+        route_token(row, E, K, d->routing, d->norm_topk_prob, weights + t * K, ids + t * K);             \
+    }                                                                                                    \
+    for (int64_t p = 0; p < P; p++) starts[ids[p] + 1]++;  /* counting sort: pairs grouped by expert */ \
+    for (int64_t e = 0; e < E; e++) starts[e + 1] += starts[e];                                          \
+    int64_t *next = memcpy(malloc(sizeof(int64_t) * E), starts, sizeof(int64_t) * E);                   \
+    for (int64_t p = 0; p < P; p++) order[next[ids[p]]++] = p;  /* stable: by token, then slot */        \
+    free(next);                                                                                          \
+    for (int64_t e = 0; e < E; e++) {                                                                    \
+        const int64_t first = starts[e], count = starts[e + 1] - first;                                  \
+        if (!count) continue;                                                                            \
+        d->load[e] += count;                                                                             \
+        for (int64_t i = 0; i < count; i++)                                                              \
+            memcpy(rows + i * hidden, x + order[first + i] / K * hidden, sizeof(T) * hidden);           \
+        expert_##S(&d->experts[e], d->inter, d->act, rows, results, count, gate_up, hidden_buf);         \
+        for (int64_t i = 0; i < count; i++)                                                              \
+            memcpy(expert_out + order[first + i] * hidden, results + i * hidden, sizeof(T) * hidden);   \
+    }                                                                                                    \
+    /* Each token's k outputs in its own top-k order, each weight in the dtype (moe.run_experts). */   \
+    _Pragma("omp parallel for if(M >= 16)")                                                              \
+    for (int64_t t = 0; t < M; t++)                                                                      \
+        for (int64_t h = 0; h < hidden; h++) {                                                           \
+            float acc = 0.f;                                                                             \
+            for (int64_t j = 0; j < K; j++) {                                                            \
+                const float w = LOAD(STORE(weights[t * K + j]));                                         \
+                const float term = LOAD(STORE(LOAD(expert_out[(t * K + j) * hidden + h]) * w));          \
+                acc = j ? LOAD(STORE(acc + term)) : term;                                                \
+            }                                                                                            \
+            out[t * hidden + h] = STORE(acc);                                                            \
+        }                                                                                                \
+    if (d->shared_inter) {  /* out += sigmoid(x . shared_gate) * shared_expert(x), rounded as torch */  \
+        expert_##S(&d->shared, d->shared_inter, d->act, x, results, M, gate_up, hidden_buf);             \
+        apply_linear_##S(&d->shared_gate, x, logits, M);                                                 \
+        for (int64_t t = 0; t < M; t++) {                                                                \
+            const float g = LOAD(STORE(1.f / (1.f + expf(-LOAD(logits[t])))));                           \
+            for (int64_t h = 0; h < hidden; h++) {                                                       \
+                const float term = LOAD(STORE(g * LOAD(results[t * hidden + h])));                      \
+                out[t * hidden + h] = STORE(LOAD(out[t * hidden + h]) + term);                           \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    free(logits); free(rows); free(results); free(expert_out); free(gate_up); free(hidden_buf);          \
+    free(weights); free(ids); free(order); free(starts);                                                 \
+}
+
+#if defined(SIMD)  /* the GEMMs it calls exist for the target */
+DEFINE_MOE(f32, float, float, f32_load, f32_store)
+DEFINE_MOE(bf16, uint16_t, uint32_t, bf16_to_float, float_to_bf16)
+#endif
