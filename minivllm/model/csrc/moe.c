@@ -72,25 +72,36 @@ void apply_linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {     
     }                                                                                                    \
 }                                                                                                        \
                                                                                                          \
-/* decoder.MLP: down(act(gate) * up) over M rows; `gate_up` and `hidden` are scratch of M rows. */      \
-static void expert_##S(const ExpertDesc *e, int64_t inter, int64_t act, const T *x, T *out, int64_t M,  \
-                       T *gate_up, T *hidden) {                                                          \
+/* decoder.MLP: out[M, hidden] = down(act(gate) * up) of x[M, hidden]. */                                 \
+static void expert_##S(const ExpertDesc *e, int64_t inter, int64_t act, const T *x, T *out, int64_t M) { \
+    T *gate_up = malloc(sizeof(T) * M * 2 * inter), *hidden = malloc(sizeof(T) * M * inter);             \
     apply_linear_##S(&e->gate_up, x, gate_up, M);                                                        \
     (act ? gelu_tanh_and_mul_##S : silu_and_mul_##S)(gate_up, hidden, M, inter);                         \
     apply_linear_##S(&e->down, hidden, out, M);                                                          \
+    free(gate_up); free(hidden);                                                                         \
+}                                                                                                        \
+                                                                                                         \
+/* Expert e over the (token, slot) pairs routed to it (order[starts[e]:starts[e + 1]]): their tokens'     \
+ * rows gathered, the expert's outputs written to each pair's row of expert_out [pairs, hidden]. */      \
+static void expert_rows_##S(const MoEDesc *d, int64_t e, const T *x, int64_t hidden, const int64_t *order, \
+                            const int64_t *starts, T *expert_out) {                                      \
+    const int64_t *pairs = order + starts[e], count = starts[e + 1] - starts[e];                         \
+    T *rows = malloc(sizeof(T) * count * hidden), *results = malloc(sizeof(T) * count * hidden);        \
+    for (int64_t i = 0; i < count; i++)                                                                  \
+        memcpy(rows + i * hidden, x + pairs[i] / d->top_k * hidden, sizeof(T) * hidden);                \
+    expert_##S(&d->experts[e], d->inter, d->act, rows, results, count);                                  \
+    for (int64_t i = 0; i < count; i++)                                                                  \
+        memcpy(expert_out + pairs[i] * hidden, results + i * hidden, sizeof(T) * hidden);               \
+    free(rows); free(results);                                                                           \
 }                                                                                                        \
                                                                                                          \
 /* out[M, hidden] = the MoE MLP of x[M, hidden]. */                                                     \
 void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) {                          \
     const int64_t E = d->num_experts, K = d->top_k, P = M * K;  /* P (token, slot) pairs */             \
-    const int64_t width = d->inter > d->shared_inter ? d->inter : d->shared_inter;                       \
-    /* An expert takes at most M rows (a token picks it once): its scratch is M rows, the k outputs P. */  \
-    T *logits = malloc(sizeof(T) * M * E), *rows = malloc(sizeof(T) * M * hidden);                      \
-    T *results = malloc(sizeof(T) * M * hidden), *expert_out = malloc(sizeof(T) * P * hidden);          \
-    T *gate_up = malloc(sizeof(T) * M * 2 * width), *hidden_buf = malloc(sizeof(T) * M * width);        \
+    T *logits = malloc(sizeof(T) * M * E), *expert_out = malloc(sizeof(T) * P * hidden);                \
     float *weights = malloc(sizeof(float) * P);                                                          \
     int64_t *ids = malloc(sizeof(int64_t) * P), *order = malloc(sizeof(int64_t) * P);                    \
-    int64_t *starts = calloc(E + 1, sizeof(int64_t));                                                    \
+    int64_t *starts = calloc(E + 1, sizeof(int64_t));  /* expert e's pairs: order[starts[e]:starts[e + 1]] */    \
     apply_linear_##S(&d->router, x, logits, M);                                                          \
     for (int64_t t = 0; t < M; t++) {                                                                    \
         float row[E];  /* the logits in the dtype, widened as moe.route's .float() */                   \
@@ -102,15 +113,12 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
     int64_t *next = memcpy(malloc(sizeof(int64_t) * E), starts, sizeof(int64_t) * E);                   \
     for (int64_t p = 0; p < P; p++) order[next[ids[p]]++] = p;  /* stable: by token, then slot */        \
     free(next);                                                                                          \
+    /* One chosen expert after another, each GEMM on every thread: measured faster than the experts side \
+     * by side, a thread each, even at one token (0.27 against 0.31 ms a layer on 2 cores). */           \
     for (int64_t e = 0; e < E; e++) {                                                                    \
-        const int64_t first = starts[e], count = starts[e + 1] - first;                                  \
-        if (!count) continue;                                                                            \
-        d->load[e] += count;                                                                             \
-        for (int64_t i = 0; i < count; i++)                                                              \
-            memcpy(rows + i * hidden, x + order[first + i] / K * hidden, sizeof(T) * hidden);           \
-        expert_##S(&d->experts[e], d->inter, d->act, rows, results, count, gate_up, hidden_buf);         \
-        for (int64_t i = 0; i < count; i++)                                                              \
-            memcpy(expert_out + order[first + i] * hidden, results + i * hidden, sizeof(T) * hidden);   \
+        if (starts[e + 1] == starts[e]) continue;                                                        \
+        d->load[e] += starts[e + 1] - starts[e];                                                         \
+        expert_rows_##S(d, e, x, hidden, order, starts, expert_out);                                     \
     }                                                                                                    \
     /* Each token's k outputs in its own top-k order, each weight in the dtype (moe.run_experts). */   \
     _Pragma("omp parallel for if(M >= 16)")                                                              \
@@ -125,7 +133,8 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
             out[t * hidden + h] = STORE(acc);                                                            \
         }                                                                                                \
     if (d->shared_inter) {  /* out += sigmoid(x . shared_gate) * shared_expert(x), rounded as torch */  \
-        expert_##S(&d->shared, d->shared_inter, d->act, x, results, M, gate_up, hidden_buf);             \
+        T *results = malloc(sizeof(T) * M * hidden);                                                     \
+        expert_##S(&d->shared, d->shared_inter, d->act, x, results, M);                                  \
         apply_linear_##S(&d->shared_gate, x, logits, M);                                                 \
         for (int64_t t = 0; t < M; t++) {                                                                \
             const float g = LOAD(STORE(1.f / (1.f + expf(-LOAD(logits[t])))));                           \
@@ -134,9 +143,9 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
                 out[t * hidden + h] = STORE(LOAD(out[t * hidden + h]) + term);                           \
             }                                                                                            \
         }                                                                                                \
+        free(results);                                                                                   \
     }                                                                                                    \
-    free(logits); free(rows); free(results); free(expert_out); free(gate_up); free(hidden_buf);          \
-    free(weights); free(ids); free(order); free(starts);                                                 \
+    free(logits); free(expert_out); free(weights); free(ids); free(order); free(starts);                  \
 }
 
 #if defined(SIMD)  /* the GEMMs it calls exist for the target */
