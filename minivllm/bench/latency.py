@@ -62,17 +62,17 @@ class LatencyResult:
 
     def text(self) -> str:
         lat = np.array(self.latencies) * 1000
+        decode = "Decode: none (one output token: the prefill's)\n" if not self.decode_steps else (
+            f"Decode step: {self.decode_step_ms:.1f} ms at batch {self.batch_size} "
+            f"({self.decode_tokens_per_s:.1f} output tokens/s), mean of {self.decode_steps} steps\n"
+            f"Whole batch: {self.batch_output_tokens_per_s:.1f} output tokens/s, prefill included "
+            f"({self.batch_output_tokens_per_s / self.decode_tokens_per_s:.1%} of the decode step's)\n"
+            f"Decode step time: " + ", ".join(f"{k} {v:.1%}" for k, v in self.step_time_shares.items()) + "\n")
         return (f"Batch {self.batch_size} x {self.input_len} prompt tokens -> {self.output_len} tokens each: "
                 f"latency mean {lat.mean():.0f} ms, P50 {np.percentile(lat, 50):.0f}, P90 {np.percentile(lat, 90):.0f} "
                 f"({len(lat)} iterations)\n"
                 f"Prefill: {self.prefill_tokens_per_s:.1f} prompt tokens/s (mean over the iterations)\n"
-                f"Decode step: {self.decode_step_ms:.1f} ms at batch {self.batch_size} "
-                f"({self.decode_tokens_per_s:.1f} output tokens/s), mean of {self.decode_steps} steps\n"
-                f"Whole batch: {self.batch_output_tokens_per_s:.1f} output tokens/s, prefill included "
-                f"({self.batch_output_tokens_per_s / self.decode_tokens_per_s:.1%} of the decode step's)\n"
-                f"Decode step time: "
-                + ", ".join(f"{k} {v:.1%}" for k, v in self.step_time_shares.items())
-                + f"\nWeights held: {self.weight_bytes_held / 1e6:.0f} MB; peak RSS {self.peak_rss_bytes / 1e6:.0f} MB"
+                + decode + f"Weights held: {self.weight_bytes_held / 1e6:.0f} MB; peak RSS {self.peak_rss_bytes / 1e6:.0f} MB"
                 + ("" if self.expert_load is None else expert_skew_text(self.expert_load))
                 + ("" if self.greedy_exact is None else spec_text(self.spec_acceptance_rate,
                                                                    self.spec_mean_accepted_length, self.greedy_exact)))
