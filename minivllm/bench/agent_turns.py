@@ -204,7 +204,10 @@ async def replay(target: ServeTarget, sessions: list[AgentSession], api: str,
                     conv.add(answer, turn, session.tool_results[turn])
 
     start = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+    # A fresh connection a turn: llama-server closes a kept-alive one after a streamed answer, and the
+    # next turn's write on it fails (a connect is well under a millisecond here).
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         await asyncio.gather(*(conversation(i, s, http) for i, s in enumerate(sessions)))
     return sorted(records, key=lambda r: (r.conversation, r.turn)), time.perf_counter() - start
 

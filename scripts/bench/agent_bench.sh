@@ -13,7 +13,7 @@ AGENT=${AGENT:-"--dataset agent --num-prefixes 2 --input-len-range 3000:4000 --t
 pid=""
 for api in messages responses; do
   log "minivllm serve, $api"
-  $MV serve "$M05" --port 8451 > "$OUT/minivllm-$api.log" 2>&1 & pid=$!
+  $MV serve "$M05" --port 8451 --enable-auto-tool-choice --tool-call-parser hermes > "$OUT/minivllm-$api.log" 2>&1 & pid=$!
   wait_healthy http://127.0.0.1:8451 "minivllm-$api" && \
     $MV bench serve --base-url http://127.0.0.1:8451 --model "$M05" --api "$api" $AGENT \
       --output-json "$OUT/minivllm-$api.json" 2>&1 | tee -a "$OUT/run.log"
