@@ -93,8 +93,8 @@ def _layer(layer) -> _Layer:
     """A decoder.DecoderLayer as forward.c's LayerDesc; a sparse layer's MLP is its NativeMoE's description."""
     attn, sandwich, mlp = layer.self_attn, layer.sandwich, layer.mlp
     mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-    dense = _expert(None if hasattr(mlp, "experts") else mlp)
-    moe = ctypes.addressof(mlp.native.desc) if hasattr(mlp, "experts") else None
+    sparse = hasattr(mlp, "experts")
+    dense, moe = _expert(None if sparse else mlp), ctypes.addressof(mlp.native.desc) if sparse else None
     return _Layer(_linear(attn.qkv_proj), _linear(attn.o_proj), dense.gate_up, dense.down, moe,
                   layer.input_layernorm.weight.data_ptr(), mlp_norm.weight.data_ptr(),
                   _weight(attn.q_norm), _weight(attn.k_norm),

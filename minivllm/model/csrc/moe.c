@@ -22,10 +22,9 @@
 static void route_token(const float *logits, int64_t E, int64_t K, int64_t routing, int64_t norm_topk_prob,
                         float *weights, int64_t *ids) {
     float scores[E];
-    float max = logits[0];
-    for (int64_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
     if (routing == 0) {  /* softmax over every expert, then the top k of the probabilities */
-        float sum = 0.f;
+        float max = logits[0], sum = 0.f;
+        for (int64_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
         for (int64_t e = 0; e < E; e++) sum += scores[e] = expf(logits[e] - max);
         for (int64_t e = 0; e < E; e++) scores[e] /= sum;
     } else {
@@ -72,27 +71,13 @@ void apply_linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {     
     }                                                                                                    \
 }                                                                                                        \
                                                                                                          \
-/* decoder.MLP: out[M, hidden] = down(act(gate) * up) of x[M, hidden]. */                                 \
-static void expert_##S(const ExpertDesc *e, int64_t inter, int64_t act, const T *x, T *out, int64_t M) { \
-    T *gate_up = malloc(sizeof(T) * M * 2 * inter), *hidden = malloc(sizeof(T) * M * inter);             \
+/* decoder.MLP: out[M, hidden] = down(act(gate) * up) of x[M, hidden]; gate_up [M, 2 inter] and        \
+ * hidden [M, inter] are scratch. */                                                                     \
+static void expert_##S(const ExpertDesc *e, int64_t inter, int64_t act, const T *x, T *out, int64_t M,  \
+                       T *gate_up, T *hidden) {                                                          \
     apply_linear_##S(&e->gate_up, x, gate_up, M);                                                        \
     (act ? gelu_tanh_and_mul_##S : silu_and_mul_##S)(gate_up, hidden, M, inter);                         \
     apply_linear_##S(&e->down, hidden, out, M);                                                          \
-    free(gate_up); free(hidden);                                                                         \
-}                                                                                                        \
-                                                                                                         \
-/* Expert e over the (token, slot) pairs routed to it (order[starts[e]:starts[e + 1]]): their tokens'     \
- * rows gathered, the expert's outputs written to each pair's row of expert_out [pairs, hidden]. */      \
-static void expert_rows_##S(const MoEDesc *d, int64_t e, const T *x, int64_t hidden, const int64_t *order, \
-                            const int64_t *starts, T *expert_out) {                                      \
-    const int64_t *pairs = order + starts[e], count = starts[e + 1] - starts[e];                         \
-    T *rows = malloc(sizeof(T) * count * hidden), *results = malloc(sizeof(T) * count * hidden);        \
-    for (int64_t i = 0; i < count; i++)                                                                  \
-        memcpy(rows + i * hidden, x + pairs[i] / d->top_k * hidden, sizeof(T) * hidden);                \
-    expert_##S(&d->experts[e], d->inter, d->act, rows, results, count);                                  \
-    for (int64_t i = 0; i < count; i++)                                                                  \
-        memcpy(expert_out + pairs[i] * hidden, results + i * hidden, sizeof(T) * hidden);               \
-    free(rows); free(results);                                                                           \
 }                                                                                                        \
                                                                                                          \
 /* out[M, hidden] = the MoE MLP of x[M, hidden]. */                                                     \
@@ -101,7 +86,7 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
     T *logits = malloc(sizeof(T) * M * E), *expert_out = malloc(sizeof(T) * P * hidden);                \
     float *weights = malloc(sizeof(float) * P);                                                          \
     int64_t *ids = malloc(sizeof(int64_t) * P), *order = malloc(sizeof(int64_t) * P);                    \
-    int64_t *starts = calloc(E + 1, sizeof(int64_t));  /* expert e's pairs: order[starts[e]:starts[e + 1]] */    \
+    int64_t *starts = calloc(E + 1, sizeof(int64_t));  /* expert e's pairs: order[starts[e]:starts[e + 1]] */ \
     apply_linear_##S(&d->router, x, logits, M);                                                          \
     for (int64_t t = 0; t < M; t++) {                                                                    \
         float row[E];  /* the logits in the dtype, widened as moe.route's .float() */                   \
@@ -114,11 +99,20 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
     for (int64_t p = 0; p < P; p++) order[next[ids[p]]++] = p;  /* stable: by token, then slot */        \
     free(next);                                                                                          \
     /* One chosen expert after another, each GEMM on every thread: measured faster than the experts side \
-     * by side, a thread each, even at one token (0.27 against 0.31 ms a layer on 2 cores). */           \
+     * by side, a thread each, even at one token (0.27 against 0.31 ms a layer on 2 cores). An expert     \
+     * takes at most M rows (a token picks it once), so M rows of scratch serve every expert. */        \
+    const int64_t width = d->inter > d->shared_inter ? d->inter : d->shared_inter;                       \
+    T *rows = malloc(sizeof(T) * M * hidden), *results = malloc(sizeof(T) * M * hidden);                \
+    T *gate_up = malloc(sizeof(T) * M * 2 * width), *act = malloc(sizeof(T) * M * width);               \
     for (int64_t e = 0; e < E; e++) {                                                                    \
-        if (starts[e + 1] == starts[e]) continue;                                                        \
-        d->load[e] += starts[e + 1] - starts[e];                                                         \
-        expert_rows_##S(d, e, x, hidden, order, starts, expert_out);                                     \
+        const int64_t *pairs = order + starts[e], count = starts[e + 1] - starts[e];                     \
+        if (!count) continue;                                                                            \
+        d->load[e] += count;                                                                             \
+        for (int64_t i = 0; i < count; i++)  /* its pairs' token rows, gathered */                      \
+            memcpy(rows + i * hidden, x + pairs[i] / K * hidden, sizeof(T) * hidden);                   \
+        expert_##S(&d->experts[e], d->inter, d->act, rows, results, count, gate_up, act);                \
+        for (int64_t i = 0; i < count; i++)  /* each pair's output to its row of expert_out */          \
+            memcpy(expert_out + pairs[i] * hidden, results + i * hidden, sizeof(T) * hidden);           \
     }                                                                                                    \
     /* Each token's k outputs in its own top-k order, each weight in the dtype (moe.run_experts). */   \
     _Pragma("omp parallel for if(M >= 16)")                                                              \
@@ -133,8 +127,7 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
             out[t * hidden + h] = STORE(acc);                                                            \
         }                                                                                                \
     if (d->shared_inter) {  /* out += sigmoid(x . shared_gate) * shared_expert(x), rounded as torch */  \
-        T *results = malloc(sizeof(T) * M * hidden);                                                     \
-        expert_##S(&d->shared, d->shared_inter, d->act, x, results, M);                                  \
+        expert_##S(&d->shared, d->shared_inter, d->act, x, results, M, gate_up, act);                    \
         apply_linear_##S(&d->shared_gate, x, logits, M);                                                 \
         for (int64_t t = 0; t < M; t++) {                                                                \
             const float g = LOAD(STORE(1.f / (1.f + expf(-LOAD(logits[t])))));                           \
@@ -143,9 +136,9 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
                 out[t * hidden + h] = STORE(LOAD(out[t * hidden + h]) + term);                           \
             }                                                                                            \
         }                                                                                                \
-        free(results);                                                                                   \
     }                                                                                                    \
     free(logits); free(expert_out); free(weights); free(ids); free(order); free(starts);                  \
+    free(rows); free(results); free(gate_up); free(act);                                                 \
 }
 
 #if defined(SIMD)  /* the GEMMs it calls exist for the target */
