@@ -118,6 +118,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     if args.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_backend == "ray":
+        serve_on_ray(args)
+        return
     if args.data_parallel_size > 1:
         from minivllm.router.replicas import serve_data_parallel
 
@@ -154,6 +157,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(engine, options, args.host, args.port)
 
 
+def serve_on_ray(args: argparse.Namespace) -> None:
+    """The replicas as a Ray Serve application (router/ray_serve.py)."""
+    from minivllm.distributed.ray_workers import import_ray
+    from minivllm.distributed.worker import cores_per_rank
+
+    import_ray()  # a clear error when Ray is missing
+    from minivllm.router.ray_serve import ServeOptions, serve_on_ray
+
+    options = ServeOptions(args.data_parallel_size, cores_per_rank(args.data_parallel_size), args.routing_policy,
+                           args.min_replicas, args.max_replicas)
+    serve_on_ray(args.argv[args.argv.index("serve") + 1:], options, args.host, args.port, args.ray_address)
+
+
 def _in_process_engine(config: EngineConfig, max_waiting_requests: int | None,
                        lora_modules: list[LoRARequest]) -> AsyncEngine:
     """The engine on a thread of the server's process (--disable-frontend-multiprocessing)."""
@@ -183,8 +199,9 @@ def router_options(args: argparse.Namespace) -> dict:
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     from minivllm.router.policies import ROUTING_POLICIES
 
-    parser.add_argument("--routing-policy", default="prefix-aware", choices=list(ROUTING_POLICIES),
-                        help="which replica takes a request (default: prefix-aware, with a load bound)")
+    parser.add_argument("--routing-policy", default="prefix-aware", choices=[*ROUTING_POLICIES, "power-of-two"],
+                        help="which replica takes a request (default: prefix-aware, with a load bound); "
+                             "power-of-two: Ray Serve's own router (--data-parallel-backend ray only)")
     parser.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between health checks")
     parser.add_argument("--health-check-timeout", type=float, default=5.0,
                         help="a replica that does not answer /health (or a connection) in this many seconds "
@@ -257,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the rest in content")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes), each on its own loopback port, behind one router here")
+    p.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
+                   help="mp: the replicas are processes of this host behind the router here; ray: a Ray Serve "
+                        "application on the Ray cluster (--ray-address), which places, replaces and scales them")
+    p.add_argument("--min-replicas", type=int, default=None, help="with --max-replicas and --data-parallel-backend "
+                   "ray: Ray Serve autoscales the replicas between the two on ongoing requests")
+    p.add_argument("--max-replicas", type=int, default=None)
     add_router_args(p)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)

@@ -69,6 +69,10 @@ class EngineConfig:
     seed: int = _flag("seed of unseeded random sampling", 0)
     tensor_parallel_size: int = _flag("ranks that split every layer (torch.distributed: gloo on CPU, NCCL on "
                                       "CUDA); workers are spawned here, or started by torchrun", 1)
+    distributed_executor_backend: str = _flag("who starts the tensor-parallel workers: processes of this host, or "
+                                              "Ray actors placed on a Ray cluster's nodes", "mp", ("mp", "ray"))
+    ray_address: str | None = _flag("the Ray cluster to join with --distributed-executor-backend ray (default: "
+                                    "RAY_ADDRESS, else a Ray instance started here)", None)
     speculative_config: str | dict | None = _flag(
         'draftless speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "suffix", ...}', None)

@@ -156,3 +156,4 @@ def test_torchrun_two_processes_on_localhost(tiny_llama: Path, tiny_reference: t
         cwd=Path(__file__).parents[1])
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.endswith(tiny_reference[1] + "\n"), run.stdout
+

@@ -1,6 +1,6 @@
 """The tensor-parallel group: an object the runner and the row-parallel layers hold (no globals),
-and how its ranks start: spawned with torch.multiprocessing on one host, or launched by torchrun
-(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) on one host or several.
+and how its ranks start: spawned with torch.multiprocessing on one host, placed by Ray as actors
+(ray_workers.py), or launched by torchrun (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).
 
 Two process groups over the same ranks: the default one carries the all_reduces of a step, with a
 timeout (MINIVLLM_TP_TIMEOUT seconds, 300 by default) so that a stopped rank fails the step instead
@@ -29,12 +29,27 @@ class TensorParallelError(RuntimeError):
     """A rank of the tensor-parallel group failed: the engine cannot step any more."""
 
 
+class SpawnedWorkers(list):
+    """Ranks 1.. as processes of this host (torch.multiprocessing). Ray's actors (ray_workers.py) answer
+    the same two questions: which ranks died, and stop."""
+
+    def dead(self) -> list[str]:
+        return [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self, 1) if p.exitcode is not None]
+
+    def stop(self) -> None:
+        for p in self:
+            p.join(JOIN_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 @dataclass
 class TensorParallelGroup:
     rank: int
     world_size: int
     control: Any  # the process group of the step broadcasts
-    workers: list[mp.Process] = field(default_factory=list)  # ranks 1.. when rank 0 spawned them
+    workers: Any = field(default_factory=SpawnedWorkers)  # ranks 1.. when rank 0 started them
     all_reduce_time: float = 0.0  # seconds in all_reduce, for `bench latency`'s share of the step
     send_time: float = 0.0  # seconds rank 0 spent broadcasting step inputs
     failed: bool = False
@@ -61,7 +76,7 @@ class TensorParallelGroup:
         """A clear error for a failed collective: which spawned worker died, if one did."""
         self.failed = True
         time.sleep(0.2)  # a worker that just died: let its exit code arrive
-        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.workers, 1) if p.exitcode is not None]
+        dead = self.workers.dead()
         why = "; ".join(dead) if dead else f"{type(error).__name__}: {error}"
         return TensorParallelError(f"tensor-parallel group of {self.world_size} failed ({why}); the engine "
                                    "stopped")
@@ -75,11 +90,7 @@ class TensorParallelGroup:
                 self.send_step(None)
             except RuntimeError:
                 pass
-        for p in self.workers:
-            p.join(JOIN_TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        self.workers.stop()
         dist.destroy_process_group()
         if self.num_threads_before is not None:
             torch.set_num_threads(self.num_threads_before)
@@ -94,10 +105,10 @@ def launched_by_torchrun() -> bool:
 
 
 def join(rank: int, world_size: int, backend: str, init_method: str = "env://",
-         workers: list[mp.Process] | None = None) -> TensorParallelGroup:
+         workers: Any = None) -> TensorParallelGroup:
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=STEP_TIMEOUT)
     control = dist.new_group(backend=backend, timeout=IDLE_TIMEOUT)
-    return TensorParallelGroup(rank, world_size, control, workers or [])
+    return TensorParallelGroup(rank, world_size, control, workers or SpawnedWorkers())
 
 
 def torchrun_rank(world_size: int) -> int:
@@ -108,14 +119,19 @@ def torchrun_rank(world_size: int) -> int:
     return int(os.environ["RANK"])
 
 
-def spawn_workers(world_size: int, target: Any, args: tuple) -> tuple[list[mp.Process], str]:
-    """Ranks 1.. as torch.multiprocessing processes; `target(rank, world_size, init_method, *args)`."""
+def free_init_method(host: str = "127.0.0.1") -> str:
+    """A rendezvous address for the group on this host: a port free now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+def spawn_workers(world_size: int, target: Any, args: tuple) -> tuple[SpawnedWorkers, str]:
+    """Ranks 1.. as torch.multiprocessing processes; `target(rank, world_size, init_method, *args)`."""
+    init_method = free_init_method()
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=target, args=(rank, world_size, init_method, *args), daemon=True,
-                           name=f"minivllm-tp-rank{rank}") for rank in range(1, world_size)]
+    workers = SpawnedWorkers(ctx.Process(target=target, args=(rank, world_size, init_method, *args), daemon=True,
+                                          name=f"minivllm-tp-rank{rank}") for rank in range(1, world_size))
     for p in workers:
         p.start()
     return workers, init_method

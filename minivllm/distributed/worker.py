@@ -93,10 +93,19 @@ def start_tensor_parallel(config: EngineConfig, path: Path, phases: dict[str, fl
     else:
         with timed(phases, "workers"):
             threads = share_cores(n)  # this process is rank 0: close() gives its threads back
-            workers, init_method = spawn_workers(n, _spawned_worker, (config, str(path)))
+            workers, init_method = start_workers(config, n, (config, str(path)))
             group = join(0, n, backend, init_method, workers)
             group.num_threads_before = threads
     return build_runner(config, path, TensorParallelShard(0, n, group), phases=phases)
+
+
+def start_workers(config: EngineConfig, n: int, args: tuple) -> tuple[Any, str]:
+    """Ranks 1.., by --distributed-executor-backend: processes of this host, or Ray actors placed on the
+    cluster's nodes with as many cores each as a rank of this host would get."""
+    if config.distributed_executor_backend == "ray":
+        from minivllm.distributed.ray_workers import start_ray_workers
+        return start_ray_workers(n, _spawned_worker, args, cores_per_rank(n), config.ray_address)
+    return spawn_workers(n, _spawned_worker, args)
 
 
 def _spawned_worker(rank: int, world_size: int, init_method: str, config: EngineConfig, path: str) -> None:
@@ -110,8 +119,13 @@ def share_cores(world_size: int) -> int:
     Returns the thread count before."""
     before = torch.get_num_threads()
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(cores_per_rank(world_size))
     return before
+
+
+def cores_per_rank(world_size: int) -> int:
+    """OMP_NUM_THREADS if set, else an equal share of this host's cores."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world_size))
 
 
 def serve_steps(config: EngineConfig, path: Path, group: TensorParallelGroup) -> None:

@@ -45,12 +45,12 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_replicas(serve_argv: list[str], n: int) -> list[ReplicaProcess]:
+def start_replicas(serve_argv: list[str], n: int, host: str = "127.0.0.1") -> list[ReplicaProcess]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    # Later flags win in argparse: each replica is a plain one-engine server on a free loopback port.
+    # Later flags win in argparse: each replica is a plain one-engine server on a free port of `host`.
     argv = [sys.executable, "-m", "minivllm.cli", "serve", *serve_argv,
-            "--host", "127.0.0.1", "--port", "0", "--data-parallel-size", "1"]
+            "--host", host, "--port", "0", "--data-parallel-size", "1", "--data-parallel-backend", "mp"]
     replicas = []
     for i in range(n):
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

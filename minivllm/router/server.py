@@ -285,7 +285,7 @@ class RouterServer:
     async def metrics(self) -> Response:
         texts = await asyncio.gather(*(self.scrape(i) for i in range(len(self.replicas))))
         registry = CollectorRegistry()
-        registry.register(_Relabelled(dict(zip(self.options.backends, texts)), self))
+        registry.register(Relabelled(dict(zip(self.options.backends, texts)), self.book, self.retries))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def scrape(self, i: int) -> str:
@@ -320,30 +320,33 @@ async def _next(chunks: AsyncIterator[bytes]) -> bytes | None:
         return None
 
 
-class _Relabelled:
-    """Every replica's metric families merged by name, each sample labelled with its replica."""
+class Relabelled:
+    """Every replica's metric families merged by name, each sample labelled with its replica; and the
+    router's own gauges when it is given its book."""
 
-    def __init__(self, texts: dict[str, str], server: RouterServer) -> None:
-        self.texts, self.server = texts, server
+    def __init__(self, texts: dict[str, str], book: Router | None = None, retries: int = 0) -> None:
+        self.texts, self.book, self.retries = texts, book, retries
 
     def collect(self) -> Any:
         families: dict[str, Metric] = {}
-        for url, text in self.texts.items():
+        for replica, text in self.texts.items():
             for family in text_string_to_metric_families(text):
                 merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                merged.samples += [Sample(s.name, {**s.labels, "replica": url}, s.value, s.timestamp, s.exemplar)
+                merged.samples += [Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
                                    for s in family.samples]
         yield from families.values()
+        if self.book is None:
+            return
         up = GaugeMetricFamily("minivllm:router_replica_up", "1 while the replica is in rotation.", labels=["replica"])
         load = GaugeMetricFamily("minivllm:router_outstanding_requests", "Requests sent and not finished.",
                                  labels=["replica"])
-        for r in self.server.book.replicas:
+        for r in self.book.replicas:
             up.add_metric([r.name], float(r.up))
             load.add_metric([r.name], r.outstanding_requests)
         yield up
         yield load
         retries = GaugeMetricFamily("minivllm:router_retries", "Requests routed again after a replica failed.")
-        retries.add_metric([], self.server.retries)
+        retries.add_metric([], self.retries)
         yield retries
 
 
