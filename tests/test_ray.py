@@ -51,11 +51,15 @@ def test_tp4_over_ray_equals_tp1_idles_and_fails_fast(ray_cluster: Any, tiny_lla
     import ray
 
     tp = LLM(model=str(tiny_llama), tensor_parallel_size=4, num_kv_blocks=9, distributed_executor_backend="ray", **TIGHT)
+    # 2 query heads and a copy of one of the 2 KV heads per rank
+    assert (tp.engine.runner.model.config.num_attention_heads, tp.engine.runner.model.config.num_key_value_heads) \
+        == (2, 1)
     workers = tp.engine.runner.group.workers
     here = ray.get_runtime_context().get_node_id()
     assert len(set(workers.node_ids)) == 3 and workers.node_ids[0] == here
     assert workers.node_ids[1:] == sorted(workers.node_ids[1:])
     assert generate_tight(tp, TINY_PROMPTS, 20) == tiny_reference[0]
+    assert tp.engine.scheduler.num_preemptions > 0
 
     before = [cpu_seconds(p) for p in workers.pids]
     time.sleep(3)
@@ -104,7 +108,7 @@ def serve_app(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Ser
     try:
         server = start_server(tmp_path_factory.mktemp("ray-serve") / "server.log", "--data-parallel-size", "2",
                               "--data-parallel-backend", "ray", "--ray-address", ray_cluster.address,
-                              "--port", str(free_port()))
+                              "--port", str(free_port()), "--quantization", "none")  # as the `llm` fixture
     finally:
         del os.environ["OMP_NUM_THREADS"]
     yield server
@@ -115,15 +119,12 @@ def replica_names(server: ServerProcess) -> set[str]:
     return {r["replica"] for r in httpx.get(f"{server.url}/health").json()["replicas"] if r["healthy"]}
 
 
-def test_serve_answers_as_one_engine_keeps_a_conversation_on_one_replica(serve_app: ServerProcess) -> None:
+def test_serve_answers_as_one_engine_keeps_a_conversation_on_one_replica(serve_app: ServerProcess, llm: LLM) -> None:
     http = httpx.Client(base_url=serve_app.url + "/v1", timeout=120)
-    offline = LLM(dtype="float32", num_kv_blocks=64)
     for prompt in ("The capital of France is", "def fibonacci(n):"):
         served = http.post("/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
         assert served.status_code == 200, served.text
-        expected = offline.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].text
-        assert served.json()["choices"][0]["text"] == expected
-    offline.engine.close()
+        assert served.json()["choices"][0]["text"] == llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].text
 
     messages, served_by = [{"role": "system", "content": "You are a terse assistant. " * 8}], set()
     for question in ("Name a colour.", "And another one?", "Which of the two is darker?"):

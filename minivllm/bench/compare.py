@@ -37,6 +37,7 @@ class SystemRun:
     metrics: list[RequestMetrics]  # aligned with `requests`
     rows: list[StepRow]  # step trace, times in seconds since the first arrival
     t0: float  # perf_counter of the first arrival
+    router_seconds: float = 0.0  # simulated clusters: wall time in the router's route and finished calls
 
 
 def warm_up(engine: LLMEngine) -> None:

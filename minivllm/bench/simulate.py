@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
+import time
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -140,6 +141,7 @@ def simulate_cluster(config: EngineConfig, requests: list[BenchRequest], model_c
     router = Router.create(routing, [f"replica-{i}" for i in range(num_replicas)], **args)
     pending = sorted(requests, key=lambda r: r.arrival)
     busy: list[tuple[float, int]] = []  # (when its next step starts, replica) of replicas with work
+    router_seconds = 0.0  # real time in the router's calls: how far one router core goes
     done: dict[str, RequestMetrics] = {}
     bar = tqdm(total=len(requests), desc=f"{config.scheduler} x{num_replicas}", disable=not show_progress,
                dynamic_ncols=True)
@@ -152,14 +154,18 @@ def simulate_cluster(config: EngineConfig, requests: list[BenchRequest], model_c
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out.metrics
+                        start = time.perf_counter()
                         router.finished(out.request_id)
+                        router_seconds += time.perf_counter() - start
                         bar.update(1)
                 if engine.has_unfinished_requests():
                     heapq.heappush(busy, (clock.now, r))
                 continue
             req = pending[i]
             i += 1
+            start = time.perf_counter()
             r = router.route(req.request_id, req.prompt_token_ids, req.output_len)
+            router_seconds += time.perf_counter() - start
             engine, clock = engines[r]
             if not engine.has_unfinished_requests():  # idle until now
                 clock.now = max(clock.now, req.arrival)
@@ -172,7 +178,7 @@ def simulate_cluster(config: EngineConfig, requests: list[BenchRequest], model_c
         rows += engine.tracer.rows
         engine.close()
     rows.sort(key=lambda row: row.t_start)
-    return SystemRun(config.scheduler, requests, [done[r.request_id] for r in requests], rows, 0.0)
+    return SystemRun(config.scheduler, requests, [done[r.request_id] for r in requests], rows, 0.0, router_seconds)
 
 
 @dataclass

@@ -6,13 +6,18 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minivllm.bench.cli_common import add_output_args, add_trace_args, describe_compare, write_json
+from minivllm.bench.workloads import parse_range
 from minivllm.config import EngineConfig
 
-WORKLOADS = ("compare", "fixed", "chunked-prefill", "fair")
+if TYPE_CHECKING:
+    from minivllm.bench.compare import SystemRun
+
+WORKLOADS = ("compare", "fixed", "chunked-prefill", "fair", "agent")
 VALIDATIONS = ("compare", "fixed", "chunked-prefill", "fair")
 
 
@@ -60,7 +65,8 @@ def _cost_model(args: argparse.Namespace):
 def _requests(args: argparse.Namespace, corpus) -> list:
     """The workload of --workload, with arrivals, tenants and priorities."""
     from minivllm.bench.scheduling import chunked_prefill_workload, fair_workload
-    from minivllm.bench.workloads import FIXED, mixed_requests, random_requests, with_arrivals
+    from minivllm.bench.workloads import (FIXED, TextCorpus, agent_requests, mixed_requests, random_requests,
+                                         with_arrivals)
 
     rng = np.random.default_rng(args.seed)
     if args.workload == "chunked-prefill":
@@ -69,6 +75,10 @@ def _requests(args: argparse.Namespace, corpus) -> list:
         return fair_workload(corpus, rng, with_heavy=True)
     if args.workload == "fixed":
         requests = random_requests(corpus, args.num_prompts, FIXED["input_len_range"], FIXED["output_len_range"], rng)
+    elif args.workload == "agent":
+        # Real text: a turn's prompt is the last one's text plus more, tokenized again, as a client sends it.
+        requests = agent_requests(TextCorpus(corpus.tokenizer), args.num_prompts, args.num_conversations, args.context_len, args.turn_len,
+                                  args.short_output_len, rng)
     else:
         requests = mixed_requests(corpus, args.num_prompts, args.long_fraction, args.short_input_len,
                                   args.short_output_len, args.long_input_len, args.long_output_len, rng)
@@ -132,6 +142,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     setup = f"{cost.label}; {args.num_replicas} replica(s), routing {args.routing_policy}; {setup}"
     print(f"{'MODELED ' if modeled else ''}simulation of {len(requests)} requests in {wall:.1f} s wall time "
           f"({cost.label})")
+    if args.num_replicas > 1:
+        print(router_text(runs[-1], args.num_replicas, args.routing_policy))
     if len(summaries) == 2:
         print(verdict(summaries))
     print(compare_table(summaries))
@@ -202,6 +214,16 @@ def _report_calibration(cal, output_json: str | None) -> None:
                                               "steps": cal.steps_dict()})
 
 
+def router_text(run: SystemRun, num_replicas: int, policy: str) -> str:
+    """The router's own cost against the cluster's rate: where one router core would become the bottleneck."""
+    per_request = run.router_seconds / len(run.requests)
+    span = max(m.finished_time for m in run.metrics) - min(m.arrival_time for m in run.metrics)
+    hits = sum(m.num_cached_tokens for m in run.metrics) / sum(len(r.prompt_token_ids) for r in run.requests)
+    return (f"router ({policy}, {num_replicas} replicas): {per_request * 1e6:.1f} us of policy and book a request, "
+            f"so one core routes at most {1 / per_request:,.0f} req/s; the simulated cluster served "
+            f"{len(run.requests) / span:,.1f} req/s, prefix-cache hit rate {hits:.1%}")
+
+
 def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
     from minivllm.router.policies import ROUTING_POLICIES
 
@@ -212,7 +234,12 @@ def add_simulate_parsers(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--workload", choices=WORKLOADS, default="compare",
                    help="compare: bench compare's short/long trace (the flags above); fixed: the reference "
                         "lengths (16..512 in, 8..256 out) at the arrival flags; chunked-prefill, fair: bench "
-                        "scheduling's scenarios (fair: light beside 10x heavy)")
+                        "scheduling's scenarios (fair: light beside 10x heavy); agent: turns of --num-conversations "
+                        "conversations in rotation (bench serve --dataset agent's), outputs of --short-output-len")
+    g.add_argument("--num-conversations", type=int, default=8, help="agent: conversations taken in rotation")
+    g.add_argument("--context-len", type=parse_range, default=(384, 768), metavar="MIN:MAX",
+                   help="agent: a conversation's first prompt, in tokens")
+    g.add_argument("--turn-len", type=int, default=64, help="agent: tokens each later turn adds")
     g.add_argument("--tenant-mix", type=_mix, default=None, metavar="NAME:WEIGHT,...",
                    help="tenants of the requests (for --scheduling-policy fair), e.g. light:1,heavy:10")
     g.add_argument("--priority-mix", type=_mix, default=None, metavar="PRIORITY:WEIGHT,...",

@@ -265,7 +265,6 @@ def serve_on_ray(serve_argv: list[str], options: ServeOptions, host: str, port: 
     print_line(f"minivllm: serving {scaling} on Ray Serve ({options.routing_policy}) on http://{host}:{port}")
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     stop = signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    print_line(f"minivllm: {signal.Signals(stop).name}: deleting the Ray Serve application")
-    serve.delete(APP_NAME)
-    serve.shutdown()
+    print_line(f"minivllm: {signal.Signals(stop).name}: stopping the Ray Serve application")
+    serve.shutdown()  # deletes the application: each replica stops its engine
 
