@@ -104,13 +104,17 @@ def free_port() -> int:
 def serve_app(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     """`minivllm serve --data-parallel-size 2 --data-parallel-backend ray`, as a user runs it against the
     cluster: one engine replica per node, one core each."""
+    threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the replicas' share: their bundles' one CPU
     try:
         server = start_server(tmp_path_factory.mktemp("ray-serve") / "server.log", "--data-parallel-size", "2",
                               "--data-parallel-backend", "ray", "--ray-address", ray_cluster.address,
                               "--port", str(free_port()), "--quantization", "none")  # as the `llm` fixture
     finally:
-        del os.environ["OMP_NUM_THREADS"]
+        if threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     yield server
     assert server.stop() == 0, server.log.read_text()
 
