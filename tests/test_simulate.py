@@ -118,11 +118,11 @@ def test_routing_policies():
     assert [router.route(str(i), prefix + [i] * 20, 10) for i in range(1, 4)] == [first] * 3
     other = router.route("x", list(range(500, 564)), 10)  # another prefix: the least loaded replica
     assert other != first
-    # The load bound: once the owner carries far more than the least loaded, the prefix goes elsewhere.
-    big = [router.route(f"big{i}", prefix + [7] * 2000, 1000) for i in range(6)]
-    assert big[0] == first and set(big) == {0, 1, 2}
+    # The load bound: once the owner carries far more than the mean, the prefix goes to the least loaded.
+    big = [router.route(f"big{i}", prefix + [7] * 2000, 1000) for i in range(8)]
+    assert big[0] == first and len(set(big)) > 1
     loads = [r.outstanding_tokens for r in router.replicas]
-    assert loads[first] <= 1.5 * min(loads) + 4096 + 3064
+    assert loads[first] <= 1.5 * sum(loads) / len(loads) + 4096 + 3064
 
     rr = Router.create("round-robin", ["a", "b"])
     assert [rr.route(str(i), [1], 1) for i in range(4)] == [0, 1, 0, 1]
