@@ -19,6 +19,7 @@ import json
 import os
 import shlex
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -263,8 +264,13 @@ def serve_on_ray(serve_argv: list[str], options: ServeOptions, host: str, port: 
     scaling = (f"{options.min_replicas}-{options.max_replicas} replicas, autoscaled" if options.min_replicas
                else f"{options.num_replicas} replicas")
     print_line(f"minivllm: serving {scaling} on Ray Serve ({options.routing_policy}) on http://{host}:{port}")
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    stop = signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    print_line(f"minivllm: {signal.Signals(stop).name}: stopping the Ray Serve application")
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, frame: received.append(number))
+    while not received:
+        time.sleep(0.2)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(sig, signal.SIG_IGN)
+    print_line(f"minivllm: {signal.Signals(received[0]).name}: stopping the Ray Serve application")
     serve.shutdown()  # deletes the application: each replica stops its engine
 
