@@ -60,6 +60,7 @@ class RayWorkers:
     node_ids: list[str]
     pids: list[int]
     placement_group: Any
+    owns_ray: bool = False  # this process started the Ray instance (no cluster given): stop() shuts it down
 
     def dead(self) -> list[str]:
         import ray
@@ -84,6 +85,8 @@ class RayWorkers:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.placement_group)
+        if self.owns_ray:
+            ray.shutdown()
 
 
 def start_ray_workers(world_size: int, target: Callable, args: tuple, num_threads: int,
@@ -95,6 +98,7 @@ def start_ray_workers(world_size: int, target: Callable, args: tuple, num_thread
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     address = address or os.environ.get("RAY_ADDRESS")
     check_reachable(address)
+    owns_ray = not ray.is_initialized() and not address
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     num_workers = world_size - 1
@@ -119,7 +123,7 @@ def start_ray_workers(world_size: int, target: Callable, args: tuple, num_thread
     init_method = free_init_method(ray.util.get_node_ip_address())
     runs = [a.run.remote(target, num_threads, rank, world_size, init_method, *args)
             for rank, a in enumerate(actors, 1)]
-    return RayWorkers(actors, runs, [node for node, _ in where], [pid for _, pid in where], group), init_method
+    return RayWorkers(actors, runs, [node for node, _ in where], [pid for _, pid in where], group, owns_ray), init_method
 
 
 def check_reachable(address: str | None) -> None:

@@ -209,5 +209,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         core.run()
     except Exception:
         logger.exception("the engine core failed")
+        try:  # stop what the engine started (tensor-parallel workers, a Ray instance): os._exit skips atexit
+            core.engine.close()
+        except Exception:
+            logger.exception("closing the failed engine")
         sys.stderr.flush()
         os._exit(1)  # the frontend fails every open request and answers /health with 503

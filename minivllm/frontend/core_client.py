@@ -291,7 +291,7 @@ class EngineCoreClient:
     # -- the engine process's death ---------------------------------------------------------------------------
     def _on_exit(self) -> None:
         self._loop.remove_reader(self.process.sentinel)
-        self.process.join(0)
+        self.process.join(5)  # its pipes close a moment before its exit code can be read (once, at its death)
         self.error = f"the engine process exited with code {self.process.exitcode}"
         self._fail_all(EngineDeadError(self.error))
 
