@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
-import time
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 

@@ -77,8 +77,8 @@ def _requests(args: argparse.Namespace, corpus) -> list:
         requests = random_requests(corpus, args.num_prompts, FIXED["input_len_range"], FIXED["output_len_range"], rng)
     elif args.workload == "agent":
         # Real text: a turn's prompt is the last one's text plus more, tokenized again, as a client sends it.
-        requests = agent_requests(TextCorpus(corpus.tokenizer), args.num_prompts, args.num_conversations, args.context_len, args.turn_len,
-                                  args.short_output_len, rng)
+        requests = agent_requests(TextCorpus(corpus.tokenizer), args.num_prompts, args.num_conversations,
+                                  args.context_len, args.turn_len, args.short_output_len, rng)
     else:
         requests = mixed_requests(corpus, args.num_prompts, args.long_fraction, args.short_input_len,
                                   args.short_output_len, args.long_input_len, args.long_output_len, rng)

@@ -79,9 +79,10 @@ class PrefixAware(RoutingPolicy):
     outstanding tokens exceed `load_factor` x the mean of the replicas up plus `slack_tokens`: then
     the least loaded takes it (the load bound). The mean, not the least loaded replica's load: with
     many replicas one is nearly idle at any moment, and a bound on it sends turns away from their
-    cache whenever the cluster is busy (64 simulated replicas: 69 % prefix hits, against 78 %). Blocks are hashed as the engine's prefix cache does,
-    the first seeded with the request's salt as the engine seeds it with the adapter's: the same prompt
-    under two adapters shares no KV, so it has no affinity either."""
+    cache whenever the cluster is busy (64 simulated replicas: 69 % prefix hits, against 78 %).
+    Blocks are hashed as the engine's prefix cache does, the first seeded with the request's salt as
+    the engine seeds it with the adapter's: the same prompt under two adapters shares no KV, so it has
+    no affinity either."""
 
     name = "prefix-aware"
 

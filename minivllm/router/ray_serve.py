@@ -15,7 +15,6 @@ Every replica puts its engine's URL in Ray's key-value store, so that the ingres
 # No `from __future__ import annotations`: Serve's ingress rebuilds the route methods, and FastAPI
 # could then not resolve a string annotation such as "Request".
 import asyncio
-import json
 import os
 import shlex
 import signal
@@ -34,18 +33,18 @@ from ray.experimental import internal_kv
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from minivllm.distributed.ray_workers import check_reachable
-from minivllm.router.policies import ReplicaLoad, Router
+from minivllm.distributed.ray_workers import connect_ray
+from minivllm.router.policies import ROUTING_POLICIES, ReplicaLoad
 from minivllm.router.replicas import start_replicas, stop_replicas
-from minivllm.router.server import (BYTES_PER_BLOCK, MAX_BLOCKS, PASSED_REQUEST_HEADERS, PASSED_RESPONSE_HEADERS,
-                                    PROMPT_FIELDS, REPLICA_HEADER, Relabelled, RoutingKey, print_line)
+from minivllm.router.server import (PASSED_REQUEST_HEADERS, PASSED_RESPONSE_HEADERS, PROMPT_FIELDS, REPLICA_HEADER,
+                                    Relabelled, RoutingKey, byte_key_book, print_line, stream_error)
 from minivllm.server.api import add_error_handlers, read_body
 from minivllm.server.protocol import APIError
 
 APP_NAME = "minivllm"
 URL_KEY = "minivllm/replica/"  # + the replica's id -> its engine's URL, in Ray's key-value store
 SERVE_DEFAULT = "power-of-two"  # Serve's own router, for comparison: random pairs, shorter queue
-SERVE_POLICIES = ("prefix-aware", "least-outstanding-tokens", "round-robin", SERVE_DEFAULT)
+SERVE_POLICIES = (*ROUTING_POLICIES, SERVE_DEFAULT)
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -55,8 +54,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     replicas come and go; one that leaves is marked down, as the HTTP router marks a failed one."""
 
     def initialize_state(self, routing_policy: str = "prefix-aware") -> None:
-        args = {"block_size": BYTES_PER_BLOCK, "max_blocks": MAX_BLOCKS} if routing_policy == "prefix-aware" else {}
-        self.book = Router.create(routing_policy, [], **args)
+        self.book = byte_key_book(routing_policy, [])
         self.index: dict[ReplicaID, int] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -161,7 +159,7 @@ class Ingress:
                 yield chunk
         except Exception as e:
             error = APIError(502, f"replica {replica} failed mid-stream: {type(e).__name__}", None, "replica_failed")
-            yield f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+            yield stream_error(error)
 
     for path in PROMPT_FIELDS:
         _generate = app.post(path)(_generate)
@@ -254,10 +252,7 @@ def app_builder(args: dict[str, Any]) -> Any:
 def serve_on_ray(serve_argv: list[str], options: ServeOptions, host: str, port: int, address: str | None) -> None:
     """Run the application on the cluster at `address` (RAY_ADDRESS, else a Ray instance started here)
     until SIGTERM or Ctrl-C, then delete it."""
-    address = address or os.environ.get("RAY_ADDRESS")
-    check_reachable(address)
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    connect_ray(address)
     # One proxy, on the head: nodes that share an IP (a test cluster) cannot each bind the port.
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     serve.run(build_app(serve_argv, options), name=APP_NAME, route_prefix="/")

@@ -83,6 +83,17 @@ class RouterOptions:
         self.backends = [b.rstrip("/") for b in self.backends]
 
 
+def byte_key_book(policy: str, names: list[str]) -> Router:
+    """The book of a router that keys requests by RoutingKey (blocks of bytes, not tokens)."""
+    args = {"block_size": BYTES_PER_BLOCK, "max_blocks": MAX_BLOCKS} if policy == "prefix-aware" else {}
+    return Router.create(policy, names, **args)
+
+
+def stream_error(error: APIError) -> bytes:
+    """The end of a stream whose replica failed after it began: an OpenAI error event, then [DONE]."""
+    return f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+
+
 @dataclass
 class RoutingKey:
     """What the policy sees of a request: its prompt as bytes (or token ids), the load it brings, and
@@ -132,8 +143,7 @@ class ReplicaState:
 class RouterServer:
     def __init__(self, options: RouterOptions) -> None:
         self.options = options
-        policy_args = {"block_size": BYTES_PER_BLOCK, "max_blocks": MAX_BLOCKS} if options.routing_policy == "prefix-aware" else {}
-        self.book = Router.create(options.routing_policy, options.backends, **policy_args)
+        self.book = byte_key_book(options.routing_policy, options.backends)
         self.replicas = [ReplicaState(url) for url in options.backends]
         self.retries = 0
         self.http: httpx.AsyncClient | None = None
@@ -255,7 +265,7 @@ class RouterServer:
                 except ReplicaFailed as e:
                     error = APIError(502, f"replica {self.replicas[i].url} failed mid-stream: {e}", None,
                                      "replica_failed")
-                    yield f"\n\ndata: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+                    yield stream_error(error)
                     return
                 if chunk is None:
                     return
