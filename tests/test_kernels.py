@@ -4,6 +4,9 @@ against float32 matmul), each kernel's batch invariance (a row's bits never depe
 and the all-torch model against the native one on the real model."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,6 +40,20 @@ def windowed_reference(q, k_cache, v_cache, table, context_len, scale, window, s
     return torch.einsum("ht,htd->hd", scores.softmax(-1), values)
 
 
+def _tile_modes() -> list[bool]:
+    lib = library(cpu_arch())
+    return [True, False] if lib is not None and lib.amx_tiles_ready() else [False]
+
+
+@pytest.fixture(params=_tile_modes(), ids=lambda on: "amx" if on else "vector")
+def tiles(request: pytest.FixtureRequest):
+    """Where the CPU has AMX, the bf16 attention runs on the tiles and, again, on the vector kernel."""
+    lib = library(cpu_arch())
+    lib.use_amx_tiles(request.param)
+    yield request.param
+    lib.use_amx_tiles(True)
+
+
 def _attend(kernel, q, cache, tables, spans, scale, window=None, softcap=None):
     """Run the kernel over spans [(first row, rows, context of the first query)]; padding rows stay 0."""
     out = torch.zeros(q.shape, dtype=q.dtype)
@@ -48,7 +65,8 @@ def _attend(kernel, q, cache, tables, spans, scale, window=None, softcap=None):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
                          [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 1), (6, 2, 80, 32), (12, 2, 128, 16)])
-def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_heads, head_dim, block_size, cpu_target):
+def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_heads, head_dim, block_size, cpu_target,
+                                                      tiles):
     """On each target this machine runs: decodes and prefill chunks in one call, each row against SDPA;
     then every row again on its own, as a decode at that position: the same bits (a token's attention does
     not depend on how it was batched)."""
@@ -82,7 +100,7 @@ def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_hea
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_attention_sliding_window_and_softcap(dtype, tol):
+def test_attention_sliding_window_and_softcap(dtype, tol, tiles):
     """Gemma's sliding window (shorter, equal and longer than a block) and logit softcap: each row against
     the written-out reference, and the same bits alone as in the batch."""
     heads, kv_heads, head_dim, block_size, scale, softcap = 4, 2, 64, 16, 0.125, 2.0
@@ -105,6 +123,33 @@ def test_attention_sliding_window_and_softcap(dtype, tol):
                 torch.testing.assert_close(out[row].float(), expected, atol=tol, rtol=tol)
                 alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale, window, softcap)
                 assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
+
+
+@pytest.mark.parametrize("window", [None, 700])
+def test_attention_long_context_chunk_is_invariant(window, tiles):
+    """A chunk of 150 queries after 1,900 cached tokens (Qwen2.5's group of 7 heads per kv head) beside a
+    decode: sampled rows against the reference, and each the same bits computed alone, as a decode."""
+    heads, kv_heads, head_dim, block_size, dtype = 14, 2, 64, 16, torch.bfloat16
+    kernel = attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads, block_size)
+    if kernel is None:
+        pytest.skip("no C compiler: the torch path is used")
+    gen = torch.Generator().manual_seed(2)
+    num_blocks, scale = 300, head_dim ** -0.5
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    cache = KVCache(torch.randn(k_shape, generator=gen).to(dtype), torch.randn(v_shape, generator=gen).to(dtype),
+                    kv_format("auto"))
+    spans = [(0, 150, 1901), (150, 1, 2100)]
+    tables = torch.randperm(num_blocks, generator=gen)[:2 * 140].view(2, 140)
+    q = torch.randn(151, heads, head_dim, generator=gen).to(dtype)
+    out = _attend(kernel, q, cache, tables, spans, scale, window)
+    for row in (0, 17, 18, 100, 149, 150):
+        s, i = (0, row) if row < 150 else (1, 0)
+        ctx = spans[s][2] + i
+        expected = (reference(q[row], cache.k, cache.v, tables[s], ctx, scale) if window is None else
+                    windowed_reference(q[row], cache.k, cache.v, tables[s], ctx, scale, window, 1e9))
+        torch.testing.assert_close(out[row].float(), expected, atol=2e-2, rtol=2e-2)
+        alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx)], scale, window)
+        assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
 
 
 def _ops(dtype):
@@ -191,7 +236,9 @@ def test_report_names_the_target_and_what_falls_back(cpu_target):
     lib = library(cpu_arch())
     if lib is None:
         pytest.skip("no C compiler: the torch path is used")
-    section = lib.simd_target().decode()
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    amx = cpu_target == "native" and "amx_bf16" in flags and not os.environ.get("MINIVLLM_NO_AMX")
+    section = lib.simd_target().decode() + ("+amx" if amx else "")
     families = ", ".join(KERNEL_GROUPS)
     line = report(torch.device("cpu"), torch.bfloat16)
     if section == "none":

@@ -147,6 +147,7 @@ def library(arch: str) -> ctypes.CDLL | None:
             getattr(lib, f"moe_{suffix}").argtypes = [_PTR, _PTR, _PTR, _I64, _I64]
         getattr(lib, f"lora_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
     lib.simd_target.restype = ctypes.c_char_p
+    lib.use_amx_tiles.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -169,11 +170,16 @@ def report(device: torch.device, dtype: torch.dtype) -> str:
     native = [name for name, fn in KERNEL_GROUPS.items()
               if lib is not None and hasattr(lib, f"{fn}_{_DTYPE_SUFFIX[dtype]}")]
     fallback = [name for name in KERNEL_GROUPS if name not in native]
-    target = f"{cpu_arch()} ({lib.simd_target().decode()})" if lib is not None else cpu_arch()
+    target = f"{cpu_arch()} ({section(lib)})" if lib is not None else cpu_arch()
     if device.type != "cpu":
         target = device.type
     return (f"minivllm: kernels for {target}: {', '.join(native) or 'nothing'}; "
             f"torch for: {', '.join(fallback) or 'nothing'}")
+
+
+def section(lib: ctypes.CDLL) -> str:
+    """simd.h's section the library was built with, and "+amx" where the AMX tile paths run."""
+    return lib.simd_target().decode() + ("+amx" if lib.amx_tiles_ready() else "")
 
 
 def _cpu() -> str:

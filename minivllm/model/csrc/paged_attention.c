@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "kv_quant.h"
 
@@ -349,6 +350,285 @@ static inline __attribute__((always_inline)) void NAME(                         
             for (int64_t d = 0; d < head_dim; d++) out[j * out_stride + g * head_dim + d] = STORE(acc[j][g][d]); \
 }
 
+/* -- AMX: prefill and decode attention as tile matrix work (bf16 pool, CPUs with AMX-BF16) ----------
+ *
+ * On Sapphire Rapids and later the float32 vector passes above leave the matrix units idle: a 6k-token
+ * prefill of SmolLM2 spent two thirds of its time here. This path is flash attention's tiling: a task is
+ * (span, block of queries, kv head); its rows are (query, head of the group) pairs, AMX_ROWS to a tile,
+ * and it walks the context AMX_KV keys at a time, aligned to absolute positions. Per step:
+ *   scores = Q . K^T       tdpbf16ps, bf16 pairs summed into float32 (16 rows x 16 keys per tile)
+ *   online softmax          per row, in AVX-512: the running max m, sum l, p = e^(s - m) rounded to bf16
+ *   acc = acc * alpha + P.V tdpbf16ps into a fresh tile, then one float32 FMA per value
+ * and the output is acc / l. A row's arithmetic depends on its own context alone: the steps it sees are
+ * the aligned AMX_KV-key tiles that hold any of its visible keys, in order, and a step with none is not
+ * applied to it at all. Each output element of a tile instruction is its own row's dot product, whatever
+ * the other rows hold. So a query gives the same bits in a prefill, a chunk or a decode (where its rows
+ * are just the group's heads), and whatever else shares the step. The softmax and the accumulation are
+ * noinline functions: one compiled body for every caller, so -ffast-math cannot contract them
+ * differently in different places.
+ *
+ * The pool keeps its layout: each step repacks its keys and values into the pairs layout tdpbf16ps reads
+ * (K: pairs of dimensions per key; V: pairs of keys per dimension), once for all the task's rows.
+ * MINIVLLM_NO_AMX=1 turns the path off (the vector kernel above then runs), to compare the two (amx.h). */
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define AMX_ROWS 16         /* tile rows: (query, head) pairs */
+#define AMX_KV 32           /* keys per step: one tdpbf16ps's depth for P.V */
+#define AMX_TASK_ROWS 128   /* rows per task: its queries' state (acc, m, l) stays in L2 */
+
+/* Every tile 16 rows of 64 bytes: tmm0-1 scores, the others the products' operands. */
+static inline void configure_attention_tiles(void) {
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    configure_tiles(rows, colsb);
+}
+
+/* Two rows of 16 bf16 into one row of pairs: a[0] b[0] a[1] b[1] ... */
+static inline __m512i interleave16(const uint16_t *a, const uint16_t *b) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const void *)a)),
+                                            _mm256_loadu_si256((const void *)b), 1);
+    return _mm512_permutexvar_epi16(idx, both);
+}
+
+/* e^x for x <= 0, to float32 precision: 2^(x log2 e) split into an integer and a fraction in
+ * [-0.5, 0.5], whose power of two is a degree-6 polynomial (its Taylor series; error below 2e-7). */
+static inline __m512 exp512(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* A row's running state: m (max), l (the sum of e^(s - m), kept as 16 lanes and added up at the end: no
+ * horizontal sum per step), and whether a step has been applied yet. */
+typedef struct { float l[16], m, alpha; int32_t started, applied; } RowState;
+
+/* The softmax step of one tile of rows over keys pos0 .. pos0 + AMX_KV - 1: scores s [AMX_ROWS][AMX_KV]
+ * (unscaled) -> p as bf16 [AMX_ROWS][AMX_KV] and each row's state. Row r sees keys lo[r] .. ctx[r] - 1;
+ * a row with none of them in the step is not applied (applied = 0, p = 0). */
+__attribute__((noinline)) static void softmax_step(const float *restrict s, uint16_t *restrict p, int rows,
+                                                   const int64_t *ctx, const int64_t *lo, int64_t pos0,
+                                                   float scale, float softcap, RowState *st) {
+    const __m512i pos_a = _mm512_add_epi32(_mm512_set1_epi32((int)pos0),
+                                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i pos_b = _mm512_add_epi32(pos_a, _mm512_set1_epi32(16));
+    const __m512 scale_v = _mm512_set1_ps(scale), low = _mm512_set1_ps(MASKED);
+    for (int r = 0; r < AMX_ROWS; r++) {
+        uint16_t *pr = p + r * AMX_KV;
+        st[r].applied = 0;
+        if (r >= rows || pos0 >= ctx[r] || pos0 + AMX_KV <= lo[r]) {
+            memset(pr, 0, AMX_KV * sizeof(uint16_t));
+            continue;
+        }
+        __mmask16 va = 0xFFFF, vb = 0xFFFF;
+        if (pos0 < lo[r] || pos0 + AMX_KV > ctx[r]) {  /* the step holds an end of the row's keys */
+            const __m512i c = _mm512_set1_epi32((int)ctx[r]), l0 = _mm512_set1_epi32((int)lo[r]);
+            va = _mm512_cmplt_epi32_mask(pos_a, c) & _mm512_cmpge_epi32_mask(pos_a, l0);
+            vb = _mm512_cmplt_epi32_mask(pos_b, c) & _mm512_cmpge_epi32_mask(pos_b, l0);
+        }
+        __m512 sa = _mm512_mul_ps(_mm512_loadu_ps(s + r * AMX_KV), scale_v);
+        __m512 sb = _mm512_mul_ps(_mm512_loadu_ps(s + r * AMX_KV + 16), scale_v);
+        if (softcap > 0.f) {
+            float t[AMX_KV];
+            _mm512_storeu_ps(t, sa);
+            _mm512_storeu_ps(t + 16, sb);
+            for (int i = 0; i < AMX_KV; i++) t[i] = softcap * tanhf(t[i] / softcap);
+            sa = _mm512_loadu_ps(t);
+            sb = _mm512_loadu_ps(t + 16);
+        }
+        const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(va, low, sa),
+                                                                  _mm512_mask_blend_ps(vb, low, sb)));
+        const float m = st[r].started && st[r].m > step_max ? st[r].m : step_max;
+        const __m512 mv = _mm512_set1_ps(m);
+        const __m512 ea = _mm512_maskz_mov_ps(va, exp512(_mm512_sub_ps(sa, mv)));
+        const __m512 eb = _mm512_maskz_mov_ps(vb, exp512(_mm512_sub_ps(sb, mv)));
+        /* alpha rescales what the row has summed so far: 0 before its first step, exactly 1 while its
+         * max holds. */
+        const float alpha = !st[r].started ? 0.f : m > st[r].m ? expf(st[r].m - m) : 1.f;
+        _mm512_storeu_ps(st[r].l, _mm512_fmadd_ps(_mm512_loadu_ps(st[r].l), _mm512_set1_ps(alpha), _mm512_add_ps(ea, eb)));
+        st[r].m = m;
+        st[r].alpha = alpha;
+        st[r].started = st[r].applied = 1;
+        _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(eb, ea));
+    }
+}
+
+/* A row's sum l, its 16 lanes added in one fixed order. */
+__attribute__((noinline)) static float row_sum(const RowState *st) { return _mm512_reduce_add_ps(_mm512_loadu_ps(st->l)); }
+
+/* acc[r][d0 .. d0 + 15] = acc * alpha + pv[r] for the applied rows of a tile. */
+__attribute__((noinline)) static void accumulate_step(float *restrict acc, int64_t acc_stride, const float *restrict pv,
+                                                      const RowState *st) {
+    for (int r = 0; r < AMX_ROWS; r++) {
+        if (!st[r].applied) continue;
+        float *a = acc + r * acc_stride;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(st[r].alpha), _mm512_loadu_ps(pv + 16 * r)));
+    }
+}
+
+/* Keys pos0 .. pos0 + AMX_KV - 1 of one kv head into tdpbf16ps's B layouts. kp[(h * steps + s) * 512]: the
+ * 16 keys of half h, dimensions s*32 .. s*32 + 31, a row per pair of dimensions; vp[n * 512]: dimensions
+ * n*16 .. n*16 + 15, a row per pair of keys. Keys at or past `ctx_max` (never written, or written by
+ * nobody this task reads) are zeros, so that a zero weight never meets a stale NaN. */
+static void repack_step(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t tile,
+                        int64_t block_size, int64_t head_dim, int64_t pos0, int64_t ctx_max, uint16_t *kp,
+                        uint16_t *vp) {
+    const int64_t steps = head_dim / 32;
+    static const uint16_t zeros[16];
+    for (int h = 0; h < 2; h++) {
+        const int64_t pos = pos0 + 16 * h;
+        const uint16_t *kt = pos < ctx_max ? k_cache + table[pos / block_size] * tile + pos % block_size : NULL;
+        for (int64_t s = 0; s < steps; s++)
+            for (int i = 0; i < 16; i++) {
+                const int64_t d = s * 32 + 2 * i;
+                const __m512i row = kt ? interleave16(kt + d * block_size, kt + (d + 1) * block_size) : _mm512_setzero_si512();
+                _mm512_storeu_si512(kp + ((h * steps + s) * 16 + i) * 32, row);
+            }
+    }
+    for (int i = 0; i < 16; i++) {
+        const uint16_t *rows[2];
+        for (int e = 0; e < 2; e++) {
+            const int64_t pos = pos0 + 2 * i + e;
+            rows[e] = pos < ctx_max ? v_cache + table[pos / block_size] * tile + (pos % block_size) * head_dim : NULL;
+        }
+        for (int64_t n = 0; n < head_dim / 16; n++)
+            _mm512_storeu_si512(vp + (n * 16 + i) * 32, interleave16(rows[0] ? rows[0] + n * 16 : zeros,
+                                                                     rows[1] ? rows[1] + n * 16 : zeros));
+    }
+}
+
+/* s [AMX_ROWS][AMX_KV] = the tile's Q rows (q_stride elements apart) . the step's keys (kp: per half, per
+ * 32 dimensions). Each k step loads its operands into registers of its own, so that the four products
+ * overlap; the two halves' sums chain in tmm0 and tmm1. */
+static inline void qk_tiles(const uint16_t *q, int64_t q_stride, const uint16_t *kp, int64_t steps, float *s) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k = 0; k < steps; k += 2) {
+        _tile_loadd(2, q + k * 32, q_stride * sizeof(uint16_t));
+        _tile_loadd(3, kp + k * 512, 64);
+        _tile_loadd(4, kp + (steps + k) * 512, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+        if (k + 1 < steps) {
+            _tile_loadd(5, q + (k + 1) * 32, q_stride * sizeof(uint16_t));
+            _tile_loadd(6, kp + (k + 1) * 512, 64);
+            _tile_loadd(7, kp + (steps + k + 1) * 512, 64);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_dpbf16ps(1, 5, 7);
+        }
+    }
+    _tile_stored(0, s, AMX_KV * sizeof(float));
+    _tile_stored(1, s + 16, AMX_KV * sizeof(float));
+}
+
+/* pv[i] [AMX_ROWS][16] = p . the values' dimensions (i * 16 ..) of vp, for i < 4: four products in
+ * tmm4-7, each from a fresh zero, their V operands in registers of their own. */
+static inline void pv_tiles(const uint16_t *p, const uint16_t *vp, float *pv) {
+    _tile_loadd(2, p, AMX_KV * sizeof(uint16_t));
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_loadd(0, vp, 64);
+    _tile_loadd(1, vp + 512, 64);
+    _tile_loadd(3, vp + 1024, 64);
+    _tile_dpbf16ps(4, 2, 0);
+    _tile_dpbf16ps(5, 2, 1);
+    _tile_dpbf16ps(6, 2, 3);
+    _tile_loadd(0, vp + 1536, 64);
+    _tile_dpbf16ps(7, 2, 0);
+    _tile_stored(4, pv, 64);
+    _tile_stored(5, pv + 256, 64);
+    _tile_stored(6, pv + 512, 64);
+    _tile_stored(7, pv + 768, 64);
+}
+
+/* One task: queries [0, nq) of a span (query j sees ctx0 + j tokens), one kv head and its `group` heads,
+ * rows r = j * group + g. Same arguments as the vector task. */
+static void amx_task(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                     const int64_t *table, int64_t ctx0, int64_t nq, int64_t group, int64_t head_dim,
+                     int64_t block_size, int64_t tile, float scale, uint16_t *out, int64_t out_stride,
+                     int64_t window, float softcap) {
+    const int64_t rows = nq * group, tiles = (rows + AMX_ROWS - 1) / AMX_ROWS, padded = tiles * AMX_ROWS;
+    const int64_t steps = head_dim / 32, ctx_max = ctx0 + nq - 1;
+    uint16_t *qb = aligned_alloc(64, sizeof(uint16_t) * padded * head_dim);
+    float *acc = aligned_alloc(64, sizeof(float) * padded * head_dim);
+    int64_t *ctx = malloc(sizeof(int64_t) * 2 * padded), *lo = ctx + padded;
+    RowState *st = calloc(padded, sizeof(RowState));
+    uint16_t *kp = aligned_alloc(64, sizeof(uint16_t) * 2 * steps * 512), *vp = aligned_alloc(64, sizeof(uint16_t) * head_dim * 32);
+    _Alignas(64) float s[AMX_ROWS * AMX_KV], pv[4 * AMX_ROWS * 16];
+    _Alignas(64) uint16_t p[AMX_ROWS * AMX_KV];
+    memset(qb, 0, sizeof(uint16_t) * padded * head_dim);
+    memset(acc, 0, sizeof(float) * padded * head_dim);
+    for (int64_t r = 0; r < padded; r++) {
+        const int64_t j = r / group, g = r % group;
+        ctx[r] = r < rows ? ctx0 + j : 0;
+        lo[r] = r < rows ? first_visible(ctx0 + j, window) : 0;
+        if (r < rows) memcpy(qb + r * head_dim, q + j * q_stride + g * head_dim, sizeof(uint16_t) * head_dim);
+    }
+    configure_attention_tiles();
+    for (int64_t pos0 = first_visible(ctx0, window) / AMX_KV * AMX_KV; pos0 < ctx_max; pos0 += AMX_KV) {
+        repack_step(k_cache, v_cache, table, tile, block_size, head_dim, pos0, ctx_max, kp, vp);
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t r0 = t * AMX_ROWS, n = rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS;
+            if (pos0 >= ctx[r0 + n - 1] || pos0 + AMX_KV <= lo[r0]) continue;  /* no row of the tile sees a key */
+            qk_tiles(qb + r0 * head_dim, head_dim, kp, steps, s);
+            softmax_step(s, p, (int)n, ctx + r0, lo + r0, pos0, scale, softcap, st + r0);
+            for (int64_t d = 0; d < head_dim / 16; d += 4) {
+                pv_tiles(p, vp + d * 512, pv);
+                for (int64_t i = 0; i < 4; i++)
+                    accumulate_step(acc + r0 * head_dim + (d + i) * 16, head_dim, pv + i * AMX_ROWS * 16, st + r0);
+            }
+        }
+    }
+    _tile_release();
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t j = r / group, g = r % group;
+        const float inv = 1.f / row_sum(st + r);
+        for (int64_t d = 0; d < head_dim; d++) out[j * out_stride + g * head_dim + d] = float_to_bf16(acc[r * head_dim + d] * inv);
+    }
+    free(qb), free(acc), free(ctx), free(st), free(kp), free(vp);
+}
+
+/* paged_attention_bf16 on the tiles, or 0 where this path does not apply (the caller runs the vector
+ * kernel): head_dim a multiple of 64, blocks a multiple of 16 tokens. */
+static int paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int64_t *block_tables, int64_t max_blocks, const int64_t *span_start,
+                               const int64_t *span_len, const int64_t *span_ctx0, int64_t num_spans, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                               float softcap, uint16_t *out) {
+    if (!amx_tiles_ready() || head_dim % 64 || block_size % 16) return 0;
+    const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;
+    const int64_t tile = num_kv_heads * head_tile, out_stride = num_heads * head_dim;
+    const int64_t per_task = AMX_TASK_ROWS / group > 0 ? AMX_TASK_ROWS / group : 1;  /* queries */
+    int64_t num_tasks = 0;
+    for (int64_t s = 0; s < num_spans; s++) num_tasks += (span_len[s] + per_task - 1) / per_task;
+    int64_t (*tasks)[2] = malloc(sizeof(int64_t[2]) * num_tasks);
+    for (int64_t s = 0, n = 0; s < num_spans; s++)  /* the longest contexts first, for load balance */
+        for (int64_t i = (span_len[s] - 1) / per_task * per_task; i >= 0; i -= per_task) { tasks[n][0] = s; tasks[n++][1] = i; }
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")
+    for (int64_t n = 0; n < num_tasks; n++)
+        for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+            const int64_t s = tasks[n][0], i = tasks[n][1], start = span_start[s] + i;
+            const int64_t nq = span_len[s] - i < per_task ? span_len[s] - i : per_task;
+            amx_task(q + start * q_stride + kh * group * head_dim, q_stride, k_cache + kh * head_tile,
+                     v_cache + kh * head_tile, block_tables + s * max_blocks, span_ctx0[s] + i, nq, group, head_dim,
+                     block_size, tile, scale, out + start * out_stride + kh * group * head_dim, out_stride, window,
+                     softcap);
+        }
+    free(tasks);
+    return 1;
+}
+#endif
+
 /* q: [tokens] rows q_stride apart, each [num_heads][head_dim]; out: [tokens][num_heads * head_dim]
  * contiguous. Span s covers query rows span_start[s] .. + span_len[s], sees span_ctx0[s] + i tokens at
  * its i-th query, and reads blocks block_tables[s * max_blocks ...]. Rows outside every span (padding)
@@ -398,7 +678,7 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
     free(tasks);                                                                                           \
 }
 
-DEFINE_KERNEL(paged_attention_bf16, uint16_t, uint16_t, bf16_to_float, float_to_bf16, bf16_tile, 0)
+DEFINE_KERNEL(paged_attention_bf16_vector, uint16_t, uint16_t, bf16_to_float, float_to_bf16, bf16_tile, 0)
 DEFINE_KERNEL(paged_attention_f32, float, float, f32_load, f32_store, f32_tile, 0)
 DEFINE_KERNEL(paged_attention_bf16_int8, uint16_t, int8_t, bf16_to_float, float_to_bf16, int8_tile, 1)
 DEFINE_KERNEL(paged_attention_bf16_fp8_e4m3, uint16_t, uint8_t, bf16_to_float, float_to_bf16, e4m3_tile, 1)
@@ -406,3 +686,19 @@ DEFINE_KERNEL(paged_attention_bf16_fp8_e5m2, uint16_t, uint8_t, bf16_to_float, f
 DEFINE_KERNEL(paged_attention_f32_int8, float, int8_t, f32_load, f32_store, int8_tile, 1)
 DEFINE_KERNEL(paged_attention_f32_fp8_e4m3, float, uint8_t, f32_load, f32_store, e4m3_tile, 1)
 DEFINE_KERNEL(paged_attention_f32_fp8_e5m2, float, uint8_t, f32_load, f32_store, e5m2_tile, 1)
+
+/* The bf16 pool: on the tiles where the CPU has them, else the vector kernel. */
+void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const float *k_scale, const float *v_scale, const int64_t *block_tables, int64_t max_blocks,
+                          const int64_t *span_start, const int64_t *span_len, const int64_t *span_ctx0, int64_t num_spans,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          int64_t window, float softcap, uint16_t *out) {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (paged_attention_amx(q, q_stride, k_cache, v_cache, block_tables, max_blocks, span_start, span_len, span_ctx0,
+                            num_spans, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, out))
+        return;
+#endif
+    paged_attention_bf16_vector(q, q_stride, k_cache, v_cache, k_scale, v_scale, block_tables, max_blocks, span_start,
+                                span_len, span_ctx0, num_spans, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                window, softcap, out);
+}
