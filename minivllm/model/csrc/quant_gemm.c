@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "simd.h"
 
@@ -558,6 +559,138 @@ static void tile_any(const int8_t *x8, const RowBlock *meta, int64_t K, int64_t 
     }
 }
 
+/* -- AMX: the same integer sums on the tiles --------------------------------------------------------
+ * Where the CPU has AMX-INT8, a block of 16 or more rows takes each 32-k block of a panel as one tile
+ * product: tdpbssd's sibling tdpbsud multiplies the rows' signed activation bytes (A: 16 rows x 32
+ * bytes) by the panel's unsigned weight bytes, which decode_block already lays out as the B operand (8
+ * rows of 4 k x 16 columns), into 16 x 16 exact int32 sums. The sums are the integers the vector path
+ * makes, and the float steps per block after them are tile_sub1's and tile_sub2's, in the same order: so
+ * a row's bits are the same on the tiles, on the vector path and in a batch-1 decode, and the choice
+ * between them (rows per block) changes no bit. A sub-2 format (groups of 16) takes two half products
+ * (16 bytes of A, 4 rows of B). Blocks take two tile pairs in turn: a block's sums are stored a step
+ * after its product was issued, so the unit multiplies the next block while the vector pipes apply the
+ * last one's scales (stored right after the product, the store waited for it: 1.3x as long). */
+#if defined(SIMD_AVX512) && defined(__AMX_INT8__)
+#define AMX_GEMM 1
+#define AMX_CHUNK amx_tiles_chunk
+#define AMX_GEMM_ROWS 16
+
+/* sub 1: tmm0-1 and tmm2-3 the two panels' sums for even and odd blocks, tmm4 A, tmm5-6 B. sub 2: tmm0-1
+ * and tmm2-3 the halves' sums, tmm4 and tmm7 the halves of A, tmm5-6 their B. */
+static void configure_gemm_tiles(int sub) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, (uint8_t)(8 / sub), (uint8_t)(8 / sub), 16};
+    const uint16_t colsb[8] = {64, 64, 64, 64, (uint16_t)(32 / sub), 64, 64, 16};
+    configure_tiles(rows, colsb);
+}
+
+/* acc[r * np + p] (16 floats) += one block's sums c[p] (16 x 16 int32) for `rows` rows: tile_sub1's steps. */
+static inline void apply_sub1(int32_t (*c)[256], const RowBlock *meta, int64_t blocks, int64_t b,
+                              const uint8_t *dec, int64_t chunk_bytes, int i, int np, int rows, int has_min,
+                              float *acc) {
+    for (int p = 0; p < np; p++) {
+        const float *dm = (const float *)(dec + p * chunk_bytes + i * DECODED + 512);
+        const vec d = vec_load(dm), m = vec_load(dm + 16);
+        for (int r = 0; r < rows; r++) {
+            const RowBlock *mt = meta + r * blocks + b;
+            const ivec isum = _mm512_add_epi32(_mm512_loadu_si512(c[p] + 16 * r), ivec_set1_32(mt->zero[0]));
+            float *a = acc + (r * np + p) * QPANEL;
+            vec v = vec_fmadd(vec_from_ivec(isum), vec_mul(d, vec_set1(mt->dx)), vec_load(a));
+            if (has_min) v = vec_fmadd(m, vec_set1(mt->sx[0]), v);
+            vec_store(a, v);
+        }
+    }
+}
+
+/* acc[r] += one block's half sums c[0] (k 0-15) and c[1] (16-31) for `rows` rows: tile_sub2's steps. */
+static inline void apply_sub2(int32_t (*c)[256], const RowBlock *meta, int64_t blocks, int64_t b,
+                              const uint8_t *dec, int i, int rows, int has_min, float *acc) {
+    const float *dm = (const float *)(dec + i * DECODED + 512);
+    const vec d0 = vec_load(dm), m0 = vec_load(dm + 16), d1 = vec_load(dm + 32), m1 = vec_load(dm + 48);
+    for (int r = 0; r < rows; r++) {
+        const RowBlock *mt = meta + r * blocks + b;
+        const vec dx = vec_set1(mt->dx);
+        const ivec lo = _mm512_add_epi32(_mm512_loadu_si512(c[0] + 16 * r), ivec_set1_32(mt->zero[1]));
+        const ivec hi = _mm512_add_epi32(_mm512_loadu_si512(c[1] + 16 * r), ivec_set1_32(mt->zero[2]));
+        float *a = acc + r * QPANEL;
+        vec v = vec_fmadd(vec_from_ivec(lo), vec_mul(d0, dx), vec_load(a));
+        v = vec_fmadd(vec_from_ivec(hi), vec_mul(d1, dx), v);
+        if (has_min) {
+            v = vec_fmadd(m0, vec_set1(mt->sx[1]), v);
+            v = vec_fmadd(m1, vec_set1(mt->sx[2]), v);
+        }
+        vec_store(a, v);
+    }
+}
+
+/* Block i (k block b) of the chunk for the 16 rows at x (K apart): its product into tile pair T0, T1. */
+#define AMX_BLOCK(T0, T1)                                                                          \
+    if (sub == 1) {                                                                                \
+        _tile_loadd(4, x + b * 32, K);                                                            \
+        _tile_zero(T0);                                                                            \
+        _tile_loadd(5, dec + i * DECODED, 64);                                                     \
+        _tile_dpbsud(T0, 4, 5);                                                                    \
+        if (np == 2) {                                                                             \
+            _tile_zero(T1);                                                                        \
+            _tile_loadd(6, dec + chunk_bytes + i * DECODED, 64);                                   \
+            _tile_dpbsud(T1, 4, 6);                                                                \
+        }                                                                                          \
+    } else {                                                                                       \
+        _tile_loadd(4, x + b * 32, K);                                                            \
+        _tile_loadd(7, x + b * 32 + 16, K);                                                       \
+        _tile_zero(T0);                                                                            \
+        _tile_zero(T1);                                                                            \
+        _tile_loadd(5, dec + i * DECODED, 64);                                                     \
+        _tile_loadd(6, dec + i * DECODED + 256, 64);                                               \
+        _tile_dpbsud(T0, 4, 5);                                                                    \
+        _tile_dpbsud(T1, 7, 6);                                                                    \
+    }
+
+/* The sums of tile pair T0, T1 into c. */
+#define AMX_STORE(T0, T1)                                                                          \
+    _tile_stored(T0, c[0], 64);                                                                    \
+    if (sub == 2 || np == 2) _tile_stored(T1, c[1], 64);
+
+/* tile_any's work for all `rows` rows of a row block (16 at a time; x8 and meta padded to whole tiles):
+ * acc[r * np + p] += the chunk's blocks kb .. kb + nb - 1. */
+static void amx_tiles_chunk(const int8_t *x8, const RowBlock *meta, int64_t K, int64_t kb, int nb,
+                            const uint8_t *dec, int64_t chunk_bytes, int np, int sub, int has_min, int rows,
+                            float *acc) {
+    const int64_t blocks = K / 32;
+    _Alignas(64) int32_t sums[2][256];  /* a block's sums: [panel or half][16 x 16] */
+    configure_gemm_tiles(sub);
+    for (int r0 = 0; r0 < rows; r0 += AMX_GEMM_ROWS) {
+        const int n = rows - r0 < AMX_GEMM_ROWS ? rows - r0 : AMX_GEMM_ROWS;
+        const int8_t *x = x8 + (int64_t)r0 * K;
+        const RowBlock *mt = meta + (int64_t)r0 * blocks;
+        float *a = acc + (int64_t)r0 * np * QPANEL;
+        for (int i = 0; i <= nb; i++) {
+            if (i < nb) {  /* multiply block i ... */
+                const int64_t b = kb + i;
+                if (i & 1) {
+                    AMX_BLOCK(2, 3)
+                } else {
+                    AMX_BLOCK(0, 1)
+                }
+            }
+            if (i > 0) {  /* ... while block i - 1's sums, multiplied a step ago, take their scales */
+                int32_t (*c)[256] = sums;
+                if (i & 1) {
+                    AMX_STORE(0, 1)
+                } else {
+                    AMX_STORE(2, 3)
+                }
+                if (sub == 1) apply_sub1(sums, mt, blocks, kb + i - 1, dec, chunk_bytes, i - 1, np, n, has_min, a);
+                else apply_sub2(sums, mt, blocks, kb + i - 1, dec, i - 1, n, has_min, a);
+            }
+        }
+    }
+    _tile_release();
+}
+#else
+#define AMX_GEMM 0
+#define AMX_CHUNK(...) (void)0
+#endif
+
 /* Work units: a pair of panels (sub 1, where the target has the registers) or one panel (sub 2, or sub
  * 1's last panel when their count is odd). */
 static inline int unit_panels(int sub, int64_t panels, int64_t pn) {
@@ -569,7 +702,7 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
                T *out, int64_t ldo, int64_t M, int64_t N, int64_t K) {                             \
     const Format f = format_of(qtype);                                                             \
     const int sub = 32 / f.group, pair = QPAIRS && sub == 1;                                       \
-    int8_t *x8 = malloc((size_t)(M * K));                                                          \
+    int8_t *x8 = malloc((size_t)((M + 16) * K));  /* + a tile's rows: AMX reads whole tiles */   \
     RowBlock *meta = malloc(sizeof(RowBlock) * (size_t)(M * (K / 32)));                            \
     const int64_t panels = (N + QPANEL - 1) / QPANEL, row_blocks = (M + QROW_BLOCK - 1) / QROW_BLOCK; \
     const int64_t units = pair ? (panels + 1) / 2 : panels, blocks = K / 32;                       \
@@ -580,11 +713,13 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
         quantize_rows_##S(x, ldx, M, K, f.offset, x8, meta);                                       \
         uint8_t *dec = aligned_alloc(64, 2 * chunk_bytes);                                         \
         float *acc = aligned_alloc(64, sizeof(float) * QROW_BLOCK * 2 * QPANEL);                   \
-        /* Units outer: each thread takes a run of column units for every row block, so the threads \
-         * share any row count evenly. */                                                          \
+        /* Row blocks outer, collapsed with the units so that the threads share any row count evenly: \
+         * a row block's activations stay in cache while the units pass over them (units outer      \
+         * streamed all of x8 once per unit, 10 MB a unit for a 2,048-row down projection, which    \
+         * bound the tiles). Each (row block, unit) decodes its own chunks either way. */           \
         _Pragma("omp for collapse(2) schedule(static)")                                            \
-        for (int64_t un = 0; un < units; un++)                                                     \
-            for (int64_t rb = 0; rb < row_blocks; rb++) {                                          \
+        for (int64_t rb = 0; rb < row_blocks; rb++)                                                \
+            for (int64_t un = 0; un < units; un++) {                                               \
                 const int64_t pn = pair ? 2 * un : un, m0 = rb * QROW_BLOCK;                       \
                 const int64_t m_end = qmin64(M, m0 + QROW_BLOCK);                                  \
                 const int np = unit_panels(sub, panels, pn), tile_rows = np == 2 ? QPAIR_ROWS : QMAX_ROWS; \
@@ -598,6 +733,11 @@ void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float
                     const int nb = (int)qmin64(CHUNK, blocks - kb);                                \
                     for (int p = 0; p < np; p++)                                                   \
                         decode_any(qtype, w + (pn + p) * panel_bytes, kb, nb, dec + p * chunk_bytes); \
+                    if (AMX_GEMM && amx_tiles_ready() && m_end - m0 >= 16) {                       \
+                        AMX_CHUNK(x8 + m0 * K, meta + m0 * blocks, K, kb, nb, dec, chunk_bytes, np, sub, \
+                                  f.has_min, (int)(m_end - m0), acc);                              \
+                        continue;                                                                  \
+                    }                                                                              \
                     for (int64_t r0 = m0; r0 < m_end; r0 += tile_rows) {                           \
                         const int rows = (int)qmin64(tile_rows, m_end - r0);                       \
                         tile_any(x8 + r0 * K, meta + r0 * blocks, K, kb, nb, dec, chunk_bytes, np, sub, \
