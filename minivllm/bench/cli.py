@@ -70,6 +70,22 @@ def cmd_latency(args: argparse.Namespace) -> None:
                                                                   result.batch_output_tokens_per_s}})
 
 
+# -- prefill --------------------------------------------------------------------------------------------
+def cmd_prefill(args: argparse.Namespace) -> None:
+    from minivllm.bench.prefill import format_prefill, plot_prefill, run_prefill
+
+    config = EngineConfig.from_cli_args(args)
+    points, peaks = run_prefill(config, args.input_lens, args.num_iters, args.llama_bench, args.llama_bench_fa,
+                                progress=lambda what: print(f"measuring {what}...", file=sys.stderr, flush=True))
+    name = Path(config.model).name if config.model else "SmolLM2-135M-Instruct"
+    print(format_prefill(points, peaks, name))
+    write_json(args.output_json, {"engine": asdict(config), "peaks": asdict(peaks),
+                                  "points": [asdict(p) for p in points]})
+    if args.plot:
+        plot_prefill(points, name, Path(args.plot))
+        print(f"plot: {args.plot}")
+
+
 # -- serve ----------------------------------------------------------------------------------------------
 def serve_agent_turns(args: argparse.Namespace, spec: dict, target: ServeTarget, corpus: TextCorpus,
                       rng: np.random.Generator) -> None:
@@ -341,6 +357,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_output_args(p, progress=False)
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_latency)
+
+    p = bench_sub.add_parser("prefill", help="time to first token and prefill rate as the context grows, "
+                             "against the machine's peaks and llama-bench")
+    p.add_argument("--input-lens", type=_ints, default=[1024, 2048, 4096, 8192, 16384],
+                   help="comma-separated prompt lengths (default: 1024,2048,4096,8192,16384)")
+    p.add_argument("--num-iters", type=int, default=1, help="runs per length; the best is reported (default: 1)")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="llama.cpp's llama-bench binary: run -p N -n 0 on the same GGUF file at each length")
+    p.add_argument("--llama-bench-fa", default="0,1", choices=("0,1", "0", "1"),
+                   help="llama-bench's flash attention settings; the best is reported (default: 0,1)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw tokens/s against the context (both engines)")
+    add_output_args(p, progress=False)
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_prefill)
 
     p = bench_sub.add_parser("serve", help="online benchmark against an OpenAI-compatible server")
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

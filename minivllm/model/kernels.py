@@ -137,6 +137,7 @@ def library(arch: str) -> ctypes.CDLL | None:
     if hasattr(lib, "pack_panels"):
         lib.pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
     lib.read_stream.argtypes, lib.read_stream.restype = [_PTR, _I64], ctypes.c_uint64
+    lib.amx_peak_ops.argtypes, lib.amx_peak_ops.restype = [ctypes.c_int, _I64], ctypes.c_double
     for suffix in _DTYPE_SUFFIX.values():
         if hasattr(lib, f"qgemm_{suffix}"):
             getattr(lib, f"qgemm_{suffix}").argtypes = [_PTR, _I64, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64,
@@ -318,6 +319,12 @@ def read_stream(device: torch.device):
     """csrc/bandwidth.c's streaming read (buffer, 8-byte words) for this device, or None."""
     lib = _cpu_library(device, torch.float32)
     return None if lib is None else lib.read_stream
+
+
+def amx_peak(device: torch.device):
+    """csrc/bandwidth.c's tile-peak loop (bf16, iterations) -> operations done, or None (no tiles here)."""
+    lib = _cpu_library(device, torch.float32)
+    return lib.amx_peak_ops if lib is not None and lib.amx_tiles_ready() else None
 
 
 def forward_layers(device: torch.device, dtype: torch.dtype):
