@@ -319,10 +319,37 @@ def test_roofline_end_to_end(tmp_path):
     assert "output.weight" not in {t.name for t in tensors}
     assert res["weight_bytes_per_token"] == sum(t.nbytes for t in tensors)
     assert res["read_bandwidth_gb_s"] == pytest.approx(res["read_bandwidth"] / 1e9)
-    from minivllm.model.kernels import report
+    from minivllm.model.kernels import cpu_arch, report
+    from minivllm.model.kernels import library as kernels_library
 
     assert res["kernels"] == {"float32": report(torch.device("cpu"), torch.float32)}  # the target and its kernels
     assert res["batch1_bound_tokens_per_s"] == pytest.approx(res["read_bandwidth"] / res["weight_bytes_per_token"])
+    lib = kernels_library(cpu_arch())
+    assert (res["tile_bf16_flops"] is not None) == (lib is not None and bool(lib.amx_tiles_ready()))
+
+
+def test_prefill_end_to_end(tmp_path):
+    """Two lengths with a plot: each point's work is the model's (SmolLM2: 30 layers of qkv 576x960, o
+    576x576, gate_up 576x3072, down 1536x576 per token; QK^T and PV over the causal context, 9 heads of
+    64), its rate its length over its TTFT, and the peaks are measured (the tiles' only where they run)."""
+    png = tmp_path / "prefill.png"
+    res = run_json(tmp_path, "prefill", "--input-lens", "48,96", "--plot", str(png), "--num-kv-blocks", "16")
+    assert [p["input_len"] for p in res["points"]] == [48, 96]
+    for p in res["points"]:
+        n = p["input_len"]
+        layers = 2 * n * 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
+        assert p["flops"] == layers + 4 * 9 * 64 * 30 * n * (n + 1) // 2
+        assert p["tokens_per_s"] == pytest.approx(n / p["ttft_s"]) and p["llama_cpp_tokens_per_s"] is None
+    from minivllm.model.kernels import cpu_arch, library
+
+    lib = library(cpu_arch())
+    peaks = res["peaks"]
+    assert peaks["torch_bf16_flops"] > 0
+    tiles = lib is not None and lib.amx_tiles_ready()
+    assert (peaks["tile_bf16_flops"] is not None) == (peaks["tile_int8_ops"] is not None) == tiles
+    if tiles:  # int8 does twice bf16's multiply-adds per instruction
+        assert 1.5 < peaks["tile_int8_ops"] / peaks["tile_bf16_flops"] < 2.5
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_compare_continuous_beats_static(tmp_path):

@@ -21,10 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm.bench.roofline import best_time, model_gemms
+from minivllm.bench.roofline import best_time, model_gemms, tile_peaks
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.model.kernels import amx_peak
 from minivllm.model.model_config import ModelConfig
 from minivllm.sampling_params import SamplingParams
 
@@ -60,17 +59,9 @@ def prompt_flops(config: ModelConfig, n: int) -> float:
 
 
 def measure_peaks(device: torch.device) -> Peaks:
-    peak = amx_peak(device)
-    tiles = {}
-    for bf16 in (1, 0):
-        if peak is None:
-            tiles[bf16] = None
-            continue
-        iters = 200_000
-        tiles[bf16] = peak(bf16, iters) / best_time(lambda b=bf16: peak(b, iters), device, rounds=3)
     x = torch.randn(2048, 2048, dtype=torch.bfloat16, device=device)
     torch_rate = 2 * 2048 ** 3 / best_time(lambda: x @ x, device, rounds=3)
-    return Peaks(tiles[1], tiles[0], torch_rate)
+    return Peaks(*tile_peaks(device), torch_rate)
 
 
 def llama_bench_rate(binary: str, model: Path, n: int, threads: int, flash_attention: str = "0,1") -> float:

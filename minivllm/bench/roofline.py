@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minivllm.model.kernels import read_stream
+from minivllm.model.kernels import amx_peak, read_stream
 from minivllm.model.decoder import CausalLM
 from minivllm.model.model_config import ModelConfig
 
@@ -85,6 +85,9 @@ class Roofline:
     tokens: int
     read_bandwidth: float  # bytes/s
     per_dtype: dict[str, DtypeRoofline]
+    # The AMX tiles' peaks from registers (csrc/bandwidth.c), FLOP/s in bf16 and OP/s in int8; None without AMX
+    tile_bf16_flops: float | None = None
+    tile_int8_ops: float | None = None
 
     def batch1_decode_tokens_per_s(self, dtype: str) -> float:
         return self.read_bandwidth / self.per_dtype[dtype].weight_bytes
@@ -154,6 +157,16 @@ def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> float:
     return matrix.numel() * 4 / best_time(lambda: torch.mv(matrix, vector), device)
 
 
+def tile_peaks(device: torch.device) -> tuple[float | None, float | None]:
+    """The AMX tiles' bf16 FLOP/s and int8 OP/s: four independent tile products per round on every thread,
+    from registers, so no memory bounds them; (None, None) where the CPU or the library has no tiles."""
+    peak = amx_peak(device)
+    if peak is None:
+        return None, None
+    iters = 200_000
+    return tuple(peak(bf16, iters) / best_time(lambda b=bf16: peak(b, iters), device, rounds=3) for bf16 in (1, 0))
+
+
 def measure(config: ModelConfig, device: torch.device, tokens: int = 512, dtypes: tuple[str, ...] = DTYPES,
             progress: Callable[[str], None] | None = None) -> Roofline:
     body, head = model_gemms(config)
@@ -167,8 +180,8 @@ def measure(config: ModelConfig, device: torch.device, tokens: int = 512, dtypes
                                         time_gemm(head, tokens, dtype, device),
                                         weights * torch.empty((), dtype=dtype).element_size())
     if progress:
-        progress("memory read bandwidth")
-    return Roofline(str(device), torch.get_num_threads(), tokens, read_bandwidth(device), per_dtype)
+        progress("memory read bandwidth and tile peaks")
+    return Roofline(str(device), torch.get_num_threads(), tokens, read_bandwidth(device), per_dtype, *tile_peaks(device))
 
 
 # An expert's tensor: GGUF's stacked ffn_*_exps, HF's per-expert `experts.N` or Granite's stacked input/output_linear.
@@ -211,6 +224,9 @@ def format_roofline(r: Roofline, model_name: str) -> str:
                      f"{r.batch1_decode_tokens_per_s(name):>15.1f}")
     lines.append(f"memory read bandwidth: {r.read_bandwidth / 1e9:.1f} GB/s; weights read per token: "
                  + ", ".join(f"{d.weight_bytes / 1e6:.0f} MB ({n})" for n, d in r.per_dtype.items()))
+    if r.tile_bf16_flops:
+        lines.append(f"AMX tiles from registers: bf16 {r.tile_bf16_flops / 1e9:,.0f} GFLOP/s, "
+                     f"int8 {r.tile_int8_ops / 1e9:,.0f} GOP/s")
     lines.append("prefill: decoder-layer GEMMs (compute-bound); decode: layers + lm_head at a large batch "
                  "(compute-bound); batch-1: weight bytes / read bandwidth (memory-bound)")
     lines.append(f"{'GEMM shape':<42}" + "".join(f"{n + ' GFLOP/s':>18}" for n in r.per_dtype))

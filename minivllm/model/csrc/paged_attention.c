@@ -391,25 +391,26 @@ static inline __m512i interleave16(const uint16_t *a, const uint16_t *b) {
     return _mm512_permutexvar_epi16(idx, both);
 }
 
-/* e^x for x <= 0, to float32 precision: 2^(x log2 e) split into an integer and a fraction in
- * [-0.5, 0.5], whose power of two is a degree-6 polynomial (its Taylor series; error below 2e-7). */
-static inline __m512 exp512(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
+/* 2^t for t <= 0, to float32 precision: an integer and a fraction in [-0.5, 0.5], whose power of two
+ * is a degree-6 polynomial (the Taylor series of e^(f ln 2); error below 2e-7). Scores come here already
+ * times log2(e) (with the softmax scale, one multiply), so the softmax is e^(score - max). */
+static inline __m512 exp2_512(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
 
 /* A row's running state: m (max), l (the sum of e^(s - m), kept as 16 lanes and added up at the end: no
  * horizontal sum per step), and whether a step has been applied yet. */
-typedef struct { float l[16], m, alpha; int32_t started, applied; } RowState;
+typedef struct { float l[16], m, alpha; int32_t started, applied; } RowState;  /* m: in log2 units */
 
 /* The softmax step of one tile of rows over keys pos0 .. pos0 + AMX_KV - 1: scores s [AMX_ROWS][AMX_KV]
  * (unscaled) -> p as bf16 [AMX_ROWS][AMX_KV] and each row's state. Row r sees keys lo[r] .. ctx[r] - 1;
@@ -420,7 +421,9 @@ __attribute__((noinline)) static void softmax_step(const float *restrict s, uint
     const __m512i pos_a = _mm512_add_epi32(_mm512_set1_epi32((int)pos0),
                                            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
     const __m512i pos_b = _mm512_add_epi32(pos_a, _mm512_set1_epi32(16));
-    const __m512 scale_v = _mm512_set1_ps(scale), low = _mm512_set1_ps(MASKED);
+    /* With a softcap the scale comes first and log2(e) after the cap; else both in one multiply. */
+    const float to_log2 = 1.44269504f;
+    const __m512 scale_v = _mm512_set1_ps(softcap > 0.f ? scale : scale * to_log2), low = _mm512_set1_ps(MASKED);
     for (int r = 0; r < AMX_ROWS; r++) {
         uint16_t *pr = p + r * AMX_KV;
         st[r].applied = 0;
@@ -440,7 +443,7 @@ __attribute__((noinline)) static void softmax_step(const float *restrict s, uint
             float t[AMX_KV];
             _mm512_storeu_ps(t, sa);
             _mm512_storeu_ps(t + 16, sb);
-            for (int i = 0; i < AMX_KV; i++) t[i] = softcap * tanhf(t[i] / softcap);
+            for (int i = 0; i < AMX_KV; i++) t[i] = softcap * tanhf(t[i] / softcap) * to_log2;
             sa = _mm512_loadu_ps(t);
             sb = _mm512_loadu_ps(t + 16);
         }
@@ -448,11 +451,11 @@ __attribute__((noinline)) static void softmax_step(const float *restrict s, uint
                                                                   _mm512_mask_blend_ps(vb, low, sb)));
         const float m = st[r].started && st[r].m > step_max ? st[r].m : step_max;
         const __m512 mv = _mm512_set1_ps(m);
-        const __m512 ea = _mm512_maskz_mov_ps(va, exp512(_mm512_sub_ps(sa, mv)));
-        const __m512 eb = _mm512_maskz_mov_ps(vb, exp512(_mm512_sub_ps(sb, mv)));
+        const __m512 ea = _mm512_maskz_mov_ps(va, exp2_512(_mm512_sub_ps(sa, mv)));
+        const __m512 eb = _mm512_maskz_mov_ps(vb, exp2_512(_mm512_sub_ps(sb, mv)));
         /* alpha rescales what the row has summed so far: 0 before its first step, exactly 1 while its
          * max holds. */
-        const float alpha = !st[r].started ? 0.f : m > st[r].m ? expf(st[r].m - m) : 1.f;
+        const float alpha = !st[r].started ? 0.f : m > st[r].m ? exp2f(st[r].m - m) : 1.f;
         _mm512_storeu_ps(st[r].l, _mm512_fmadd_ps(_mm512_loadu_ps(st[r].l), _mm512_set1_ps(alpha), _mm512_add_ps(ea, eb)));
         st[r].m = m;
         st[r].alpha = alpha;
@@ -505,10 +508,10 @@ static void repack_step(const uint16_t *k_cache, const uint16_t *v_cache, const 
     }
 }
 
-/* s [AMX_ROWS][AMX_KV] = the tile's Q rows (q_stride elements apart) . the step's keys (kp: per half, per
- * 32 dimensions). Each k step loads its operands into registers of its own, so that the four products
- * overlap; the two halves' sums chain in tmm0 and tmm1. */
-static inline void qk_tiles(const uint16_t *q, int64_t q_stride, const uint16_t *kp, int64_t steps, float *s) {
+/* The scores of a tile of Q rows (q_stride elements apart) against the step's keys (kp: per half, per 32
+ * dimensions), into tmm0 (keys 0-15) and tmm1 (16-31); qk_store writes them out as s [AMX_ROWS][AMX_KV].
+ * Each k step loads its operands into registers of its own, so that the products overlap. */
+static inline void qk_issue(const uint16_t *q, int64_t q_stride, const uint16_t *kp, int64_t steps) {
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t k = 0; k < steps; k += 2) {
@@ -525,13 +528,16 @@ static inline void qk_tiles(const uint16_t *q, int64_t q_stride, const uint16_t 
             _tile_dpbf16ps(1, 5, 7);
         }
     }
+}
+
+static inline void qk_store(float *s) {
     _tile_stored(0, s, AMX_KV * sizeof(float));
     _tile_stored(1, s + 16, AMX_KV * sizeof(float));
 }
 
-/* pv[i] [AMX_ROWS][16] = p . the values' dimensions (i * 16 ..) of vp, for i < 4: four products in
- * tmm4-7, each from a fresh zero, their V operands in registers of their own. */
-static inline void pv_tiles(const uint16_t *p, const uint16_t *vp, float *pv) {
+/* p (AMX_ROWS x AMX_KV bf16) . four 16-dimension tiles of the values (vp) into tmm4-7, each from a fresh
+ * zero, their V operands in registers of their own; pv_store writes them out as pv[i] [AMX_ROWS][16]. */
+static inline void pv_issue(const uint16_t *p, const uint16_t *vp) {
     _tile_loadd(2, p, AMX_KV * sizeof(uint16_t));
     _tile_zero(4);
     _tile_zero(5);
@@ -545,10 +551,18 @@ static inline void pv_tiles(const uint16_t *p, const uint16_t *vp, float *pv) {
     _tile_dpbf16ps(6, 2, 3);
     _tile_loadd(0, vp + 1536, 64);
     _tile_dpbf16ps(7, 2, 0);
+}
+
+static inline void pv_store(float *pv) {
     _tile_stored(4, pv, 64);
     _tile_stored(5, pv + 256, 64);
     _tile_stored(6, pv + 512, 64);
     _tile_stored(7, pv + 768, 64);
+}
+
+/* Four 16-dimension tiles of products pv into the rows' sums at acc (rows head_dim apart). */
+static inline void accumulate4(float *acc, int64_t head_dim, const float *pv, const RowState *st) {
+    for (int64_t i = 0; i < 4; i++) accumulate_step(acc + i * 16, head_dim, pv + i * AMX_ROWS * 16, st);
 }
 
 /* One task: queries [0, nq) of a span (query j sees ctx0 + j tokens), one kv head and its `group` heads,
@@ -563,8 +577,9 @@ static void amx_task(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
     float *acc = aligned_alloc(64, sizeof(float) * padded * head_dim);
     int64_t *ctx = malloc(sizeof(int64_t) * 2 * padded), *lo = ctx + padded;
     RowState *st = calloc(padded, sizeof(RowState));
+    int64_t *active = malloc(sizeof(int64_t) * tiles);
     uint16_t *kp = aligned_alloc(64, sizeof(uint16_t) * 2 * steps * 512), *vp = aligned_alloc(64, sizeof(uint16_t) * head_dim * 32);
-    _Alignas(64) float s[AMX_ROWS * AMX_KV], pv[4 * AMX_ROWS * 16];
+    _Alignas(64) float s[2][AMX_ROWS * AMX_KV], pv[2][4 * AMX_ROWS * 16];  /* two of each: the pipeline */
     _Alignas(64) uint16_t p[AMX_ROWS * AMX_KV];
     memset(qb, 0, sizeof(uint16_t) * padded * head_dim);
     memset(acc, 0, sizeof(float) * padded * head_dim);
@@ -577,17 +592,35 @@ static void amx_task(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
     configure_attention_tiles();
     for (int64_t pos0 = first_visible(ctx0, window) / AMX_KV * AMX_KV; pos0 < ctx_max; pos0 += AMX_KV) {
         repack_step(k_cache, v_cache, table, tile, block_size, head_dim, pos0, ctx_max, kp, vp);
+        int64_t count = 0;  /* the tiles with a row that sees a key of the step */
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t r0 = t * AMX_ROWS, n = rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS;
-            if (pos0 >= ctx[r0 + n - 1] || pos0 + AMX_KV <= lo[r0]) continue;  /* no row of the tile sees a key */
-            qk_tiles(qb + r0 * head_dim, head_dim, kp, steps, s);
-            softmax_step(s, p, (int)n, ctx + r0, lo + r0, pos0, scale, softcap, st + r0);
+            if (pos0 < ctx[r0 + n - 1] && pos0 + AMX_KV > lo[r0]) active[count++] = t;
+        }
+        /* A pipeline over the tiles: the unit computes the next tile's scores while the vector pipes run
+         * this one's softmax, and a tile's P.V products while they add the last ones into the sums. */
+        if (count) {
+            qk_issue(qb + active[0] * AMX_ROWS * head_dim, head_dim, kp, steps);
+            qk_store(s[0]);
+        }
+        float *pending = NULL, *pending_acc = NULL;  /* products stored, not yet added */
+        const RowState *pending_st = NULL;
+        int64_t stored = 0;
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t r0 = active[i] * AMX_ROWS, n = rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS;
+            if (i + 1 < count) qk_issue(qb + active[i + 1] * AMX_ROWS * head_dim, head_dim, kp, steps);
+            softmax_step(s[i & 1], p, (int)n, ctx + r0, lo + r0, pos0, scale, softcap, st + r0);
+            if (i + 1 < count) qk_store(s[(i + 1) & 1]);
             for (int64_t d = 0; d < head_dim / 16; d += 4) {
-                pv_tiles(p, vp + d * 512, pv);
-                for (int64_t i = 0; i < 4; i++)
-                    accumulate_step(acc + r0 * head_dim + (d + i) * 16, head_dim, pv + i * AMX_ROWS * 16, st + r0);
+                pv_issue(p, vp + d * 512);
+                if (pending) accumulate4(pending_acc, head_dim, pending, pending_st);
+                pending = pv[stored++ & 1];
+                pending_acc = acc + r0 * head_dim + d * 16;
+                pending_st = st + r0;
+                pv_store(pending);
             }
         }
+        if (pending) accumulate4(pending_acc, head_dim, pending, pending_st);  /* before the next softmax */
     }
     _tile_release();
     for (int64_t r = 0; r < rows; r++) {
@@ -595,7 +628,7 @@ static void amx_task(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
         const float inv = 1.f / row_sum(st + r);
         for (int64_t d = 0; d < head_dim; d++) out[j * out_stride + g * head_dim + d] = float_to_bf16(acc[r * head_dim + d] * inv);
     }
-    free(qb), free(acc), free(ctx), free(st), free(kp), free(vp);
+    free(qb), free(acc), free(ctx), free(st), free(active), free(kp), free(vp);
 }
 
 /* paged_attention_bf16 on the tiles, or 0 where this path does not apply (the caller runs the vector
