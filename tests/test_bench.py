@@ -475,7 +475,8 @@ def test_scheduling_scenarios_show_chunked_steps_and_fair_rows(tmp_path):
 
     base = EngineConfig(dtype="float32", num_kv_blocks=128)
     corpus = TextCorpus(load_tokenizer(None)[0])
-    rows = run_chunked_prefill(base, corpus, 0, 64, str(tmp_path), False, long_len=256, num_streams=2)
+    rows = run_chunked_prefill(base, corpus, 0, 64, str(tmp_path), False, long_len=256, num_streams=2,
+                               stream_output_len=200)
     traces = [list(csv.DictReader(open(tmp_path / f"chunked-prefill-{i}.csv"))) for i in range(3)]
     chunked, capped, whole = ([{k: int(float(v)) for k, v in r.items()} for r in t] for t in traces)
     assert all(r["num_scheduled_tokens"] <= 64 for r in chunked)
@@ -485,7 +486,11 @@ def test_scheduling_scenarios_show_chunked_steps_and_fair_rows(tmp_path):
     long_chunks = [int(e["name"].split()[1]) for e in events if e["tid"] == long_tid and e["name"].startswith("prefill")]
     assert sum(long_chunks) == 256 and max(long_chunks) == 32, "the long prompt's chunks are capped"
     assert any(r["num_prefill_tokens"] >= 256 for r in whole), "the whole prompt in one step"
-    assert [r.group for r in rows] == ["short", "stream"] * 3
+    assert [r.group for r in rows] == ["short", "long", "stream, the same tokens alone",
+                                       "stream, during the long prefill"] * 3
+    alone, during = rows[2], rows[3]
+    assert during.itl_ms.mean > 0 and during.itl_vs_alone > 0, "the streams decoded while the long prompt prefilled"
+    assert alone.itl_ms.mean > 0, "each gap compared with the same token's gap in the streams-alone run"
     fair_rows = run_fair(base, corpus, 0, str(tmp_path), False, num_light=2)
     assert [(r.name.split(",")[0], r.group) for r in fair_rows] == [
         ("fair", "light"), ("fair", "light"), ("fair", "heavy"), ("fcfs", "light"), ("fcfs", "heavy")]

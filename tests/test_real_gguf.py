@@ -21,8 +21,9 @@ CHAT_PROMPTS = ["Write a Python function that reverses a string.", "What does `g
                 "Fix the bug: def add(a, b): return a - b"]
 # Teacher-forced positions, in chunks of CHUNK. Measured on Zen 3 (AVX2) at 512 and at 1,024: perplexity +0.25 %
 # (+0.27 %), top-1 agreement 0.33 (0.42) points above the bound; on Zen 4 at 1,024 and 2,048: +0.34 % (+0.20 %),
-# 0.62 (0.91) points above. The same verdicts at a fraction of the time.
-SCORED_TOKENS = 512
+# 0.62 (0.91) points above; on a Xeon with AMX tiles at 512, 1,024 and 2,048: +0.34 %, +0.26 %, +0.08 %, and
+# 0.06 points below, 0.62 and 0.91 above. At 512 one token is 0.2 points: too few to call 1.5 points apart.
+SCORED_TOKENS = 1024
 CHUNK = 512
 
 
@@ -67,7 +68,7 @@ def test_quantized_path_quality_against_the_dequantized_one(real_gguf: Path, deq
     def agreement(a: Any) -> float:
         return sum(x == y for x, y in zip(a.top1, reference.top1)) / len(reference.top1)
 
-    assert len(reference.logprobs) >= SCORED_TOKENS - 1
+    assert len(reference.logprobs) >= SCORED_TOKENS - SCORED_TOKENS // CHUNK  # a chunk's first token is not scored
     assert abs(quantized.perplexity / reference.perplexity - 1) < 0.01, (quantized.perplexity, reference.perplexity)
     assert agreement(quantized) >= agreement(floor) - 0.015, (agreement(quantized), agreement(floor))
 

@@ -284,7 +284,9 @@ def cmd_scheduling(args: argparse.Namespace) -> None:
     progress = not args.disable_tqdm
     rows = []
     if args.scenario in ("chunked-prefill", "all"):
-        rows += run_chunked_prefill(config, corpus, args.seed, args.chunk_budget, args.output_dir, progress)
+        rows += run_chunked_prefill(config, corpus, args.seed, args.chunk_budget, args.output_dir, progress,
+                                    args.long_len, args.num_streams, args.stream_output_len,
+                                    args.long_prefill_thresholds)
     if args.scenario in ("fair", "all"):
         rows += run_fair(config, corpus, args.seed, args.output_dir, progress)
     print(table(rows))
@@ -413,6 +415,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("scheduling", help="chunked prefill and fair-share trade-offs on the real model")
     p.add_argument("--scenario", choices=("chunked-prefill", "fair", "all"), default="all")
     p.add_argument("--chunk-budget", type=int, default=256, help="max_num_batched_tokens of the chunked run")
+    p.add_argument("--long-len", type=int, default=2048, help="prompt tokens of the long request (default: 2048)")
+    p.add_argument("--num-streams", type=int, default=16, help="requests decoding when it arrives (default: 16)")
+    p.add_argument("--stream-output-len", type=int, default=160,
+                   help="tokens each stream generates: enough to outlive the long prefill (default: 160)")
+    p.add_argument("--long-prefill-thresholds", type=_ints, default=None,
+                   help="comma-separated caps on the long prompt's chunk, one chunked run each "
+                        "(default: half the chunk budget)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/scheduling", help="step traces of every run")
     add_output_args(p)

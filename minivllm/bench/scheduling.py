@@ -1,9 +1,11 @@
 """`minivllm bench scheduling`: the scheduler's trade-offs, measured on the real model.
 
-chunked-prefill: 16 streams are decoding when a 2,048-token prompt arrives, and short requests
-    (32-token prompts) arrive while it is prefilled. Chunked prefill (a small token budget) against
-    no chunking (the whole prompt in one step): TTFT of the short requests, inter-token latency
-    of the 16 streams.
+chunked-prefill: 16 streams are decoding when a 2,048-token prompt arrives (--num-streams,
+    --long-len), and short requests (32-token prompts) arrive while it is prefilled. Chunked prefill
+    (a small token budget, and long-prefill thresholds that cap the long prompt's chunk) against no
+    chunking (the whole prompt in one step): TTFT of the short requests and of the long prompt, and
+    the streams' inter-token latency while it prefills against the same tokens of the same streams
+    run alone first, with the ratio of the two means (what a long prompt costs the streams' TPOT).
 fair: a light tenant alone, then beside a tenant sending 10x more requests, under `fair` and under
     `fcfs` for contrast: the light tenant's TTFT.
 """
@@ -28,6 +30,7 @@ class Row:
     group: str  # which requests the numbers describe
     ttft_ms: Distribution | None
     itl_ms: Distribution | None
+    itl_vs_alone: float | None = None  # the streams' mean ITL over that of the same tokens without the long prompt
 
 
 def _request(corpus: TextCorpus, rid: str, prompt_len: int, output_len: int, arrival: float,
@@ -37,8 +40,12 @@ def _request(corpus: TextCorpus, rid: str, prompt_len: int, output_len: int, arr
 
 
 def chunked_prefill_workload(corpus: TextCorpus, rng: np.random.Generator, long_len: int = 2048,
-                             num_streams: int = 16, num_short: int = 8) -> list[BenchRequest]:
-    streams = [_request(corpus, f"stream{i}", 32, 160, 0.0, rng, kind="stream") for i in range(num_streams)]
+                             num_streams: int = 16, num_short: int = 8,
+                             stream_output_len: int = 160) -> list[BenchRequest]:
+    """The streams must outlive the long prompt's prefill (stream_output_len) for its ITL rows to mean
+    anything: a 16k prompt chunked finely takes thousands of steps."""
+    streams = [_request(corpus, f"stream{i}", 32, stream_output_len, 0.0, rng, kind="stream")
+               for i in range(num_streams)]
     long = [_request(corpus, "long", long_len, 8, 1.0, rng, kind="long")]
     shorts = [_request(corpus, f"short{i}", 32, 8, 1.0 + 0.1 * (i + 1), rng, kind="short") for i in range(num_short)]
     return streams + long + shorts
@@ -67,16 +74,46 @@ def _rows(name: str, run, kinds: dict[str, str]) -> list[Row]:
     return out
 
 
-def chunked_prefill_settings(base: EngineConfig, budget: int, long_len: int = 2048) -> dict[str, EngineConfig]:
-    return {
-        f"chunked (budget {budget})": replace(base, enable_chunked_prefill=True, max_num_batched_tokens=budget),
-        # The long prompt's chunk is capped, so that short prompts share every step's budget.
-        f"chunked (budget {budget}, long-prefill threshold {budget // 2})": replace(
+def stream_gaps(run) -> dict[tuple[str, int], float]:
+    """Each stream's gaps between tokens (seconds), by (request id, token index)."""
+    return {(r.request_id, i): after - before
+            for r, m in zip(run.requests, run.metrics) if r.kind == "stream"
+            for i, (before, after) in enumerate(zip(m.token_times, m.token_times[1:]))}
+
+
+def gaps_during_long_prefill(run) -> dict[tuple[str, int], float]:
+    """The streams' gaps that ended while the long prompt was prefilled (its arrival to its first token)."""
+    long = next(m for r, m in zip(run.requests, run.metrics) if r.kind == "long")
+    start, end = long.arrival_time, long.first_token_time
+    times = {r.request_id: m.token_times for r, m in zip(run.requests, run.metrics) if r.kind == "stream"}
+    return {key: gap for key, gap in stream_gaps(run).items() if start < times[key[0]][key[1] + 1] <= end}
+
+
+def _stream_rows(name: str, run, alone: dict[tuple[str, int], float]) -> list[Row]:
+    """The same tokens of the same streams, run without the long prompt: a stream's step grows with its
+    own context, so only the same token indices make a fair baseline."""
+    during = gaps_during_long_prefill(run)
+    baseline = [alone[key] for key in during if key in alone]
+    ratio = float(np.mean(list(during.values())) / np.mean(baseline)) if during and baseline else None
+    return [Row(name, "stream, the same tokens alone", None, Distribution.of(baseline, PERCENTILES)),
+            Row(name, "stream, during the long prefill", None, Distribution.of(list(during.values()), PERCENTILES),
+                ratio)]
+
+
+def chunked_prefill_settings(base: EngineConfig, budget: int, long_len: int = 2048,
+                             thresholds: list[int] | None = None) -> dict[str, EngineConfig]:
+    """Chunked with `budget` alone, then capped at each long-prefill threshold (default budget / 2: the
+    long prompt's chunk leaves room for short prompts in every step, and the smaller the cap, the less
+    a step beside the streams costs), then the whole prompt in one step."""
+    settings = {f"chunked (budget {budget})": replace(base, enable_chunked_prefill=True,
+                                                      max_num_batched_tokens=budget)}
+    for threshold in thresholds or [budget // 2]:
+        settings[f"chunked (budget {budget}, long-prefill threshold {threshold})"] = replace(
             base, enable_chunked_prefill=True, max_num_batched_tokens=budget,
-            long_prefill_token_threshold=budget // 2),
-        f"not chunked (budget {long_len + 64})": replace(base, enable_chunked_prefill=False,
-                                                       max_num_batched_tokens=long_len + 64),
-    }
+            long_prefill_token_threshold=threshold)
+    settings[f"not chunked (budget {long_len + 64})"] = replace(base, enable_chunked_prefill=False,
+                                                                max_num_batched_tokens=long_len + 64)
+    return settings
 
 
 def fair_settings(base: EngineConfig) -> list[tuple[str, EngineConfig, bool]]:
@@ -93,12 +130,19 @@ def fair_settings(base: EngineConfig) -> list[tuple[str, EngineConfig, bool]]:
 
 
 def run_chunked_prefill(base: EngineConfig, corpus: TextCorpus, seed: int, budget: int, out_dir: str,
-                        progress: bool, long_len: int = 2048, num_streams: int = 16) -> list[Row]:
-    requests = chunked_prefill_workload(corpus, np.random.default_rng(seed), long_len, num_streams)
+                        progress: bool, long_len: int = 2048, num_streams: int = 16,
+                        stream_output_len: int = 160, thresholds: list[int] | None = None) -> list[Row]:
+    requests = chunked_prefill_workload(corpus, np.random.default_rng(seed), long_len, num_streams,
+                                        stream_output_len=stream_output_len)
+    # Room for the long prompt and the streams, beyond the model's context if asked: timing is measured here.
+    base = replace(base, max_model_len=max(base.max_model_len or 0, long_len + 64, stream_output_len + 64))
+    settings = chunked_prefill_settings(base, budget, long_len, thresholds)
+    streams = [r for r in requests if r.kind == "stream"]
+    alone = stream_gaps(run_engine(next(iter(settings.values())), streams, f"{out_dir}/streams-alone.csv", progress))
     rows = []
-    for i, (name, config) in enumerate(chunked_prefill_settings(base, budget, long_len).items()):
+    for i, (name, config) in enumerate(settings.items()):
         run = run_engine(config, requests, f"{out_dir}/chunked-prefill-{i}.csv", progress)
-        rows += _rows(name, run, {"short": "ttft", "stream": "itl"})
+        rows += _rows(name, run, {"short": "ttft", "long": "ttft"}) + _stream_rows(name, run, alone)
     return rows
 
 
@@ -114,8 +158,8 @@ def run_fair(base: EngineConfig, corpus: TextCorpus, seed: int, out_dir: str, pr
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| setting | requests | TTFT P50 ms | TTFT P99 ms | ITL P50 ms | ITL P99 ms | ITL max ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| setting | requests | TTFT P50 ms | TTFT P99 ms | ITL P50 ms | ITL P99 ms | ITL max ms | ITL mean / alone |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def cell(d: Distribution | None, p: float) -> str:
         return "" if d is None else f"{d.p(p):.0f}"
@@ -123,5 +167,6 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         itl_max = "" if r.itl_ms is None else f"{r.itl_ms.percentiles.get(100, 0):.0f}"
         lines.append(f"| {r.name} | {r.group} | {cell(r.ttft_ms, 50)} | {cell(r.ttft_ms, 99)} | "
-                     f"{cell(r.itl_ms, 50)} | {cell(r.itl_ms, 99)} | {itl_max} |")
+                     f"{cell(r.itl_ms, 50)} | {cell(r.itl_ms, 99)} | {itl_max} | "
+                     f"{'' if r.itl_vs_alone is None else f'{r.itl_vs_alone:.2f}x'} |")
     return "\n".join(lines)
