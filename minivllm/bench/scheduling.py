@@ -74,26 +74,24 @@ def _rows(name: str, run, kinds: dict[str, str]) -> list[Row]:
     return out
 
 
-def stream_gaps(run) -> dict[tuple[str, int], float]:
-    """Each stream's gaps between tokens (seconds), by (request id, token index)."""
+def stream_gaps(run, start: float = -np.inf, end: float = np.inf) -> dict[tuple[str, int], float]:
+    """Each stream's gaps between tokens (seconds) that ended in (start, end], by (request id, token index)."""
     return {(r.request_id, i): after - before
             for r, m in zip(run.requests, run.metrics) if r.kind == "stream"
-            for i, (before, after) in enumerate(zip(m.token_times, m.token_times[1:]))}
+            for i, (before, after) in enumerate(zip(m.token_times, m.token_times[1:])) if start < after <= end}
 
 
 def gaps_during_long_prefill(run) -> dict[tuple[str, int], float]:
     """The streams' gaps that ended while the long prompt was prefilled (its arrival to its first token)."""
     long = next(m for r, m in zip(run.requests, run.metrics) if r.kind == "long")
-    start, end = long.arrival_time, long.first_token_time
-    times = {r.request_id: m.token_times for r, m in zip(run.requests, run.metrics) if r.kind == "stream"}
-    return {key: gap for key, gap in stream_gaps(run).items() if start < times[key[0]][key[1] + 1] <= end}
+    return stream_gaps(run, long.arrival_time, long.first_token_time)
 
 
 def _stream_rows(name: str, run, alone: dict[tuple[str, int], float]) -> list[Row]:
     """The same tokens of the same streams, run without the long prompt: a stream's step grows with its
     own context, so only the same token indices make a fair baseline."""
     during = gaps_during_long_prefill(run)
-    baseline = [alone[key] for key in during if key in alone]
+    baseline = [alone[key] for key in during]  # every key: the streams ignore EOS, so both runs have every token
     ratio = float(np.mean(list(during.values())) / np.mean(baseline)) if during and baseline else None
     return [Row(name, "stream, the same tokens alone", None, Distribution.of(baseline, PERCENTILES)),
             Row(name, "stream, during the long prefill", None, Distribution.of(list(during.values()), PERCENTILES),
