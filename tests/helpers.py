@@ -208,6 +208,8 @@ TINY_SIZES = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_h
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 TINY_WINDOW = 24  # sliding windows shorter than the long prompts (and several KV blocks of 16 tokens)
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                  "original_max_position_embeddings": 256,  # above every test position: the short factors apply
                  "short_factor": [1.0 + 0.25 * i for i in range(6)], "long_factor": [2.0 + i for i in range(6)]}
@@ -255,6 +257,9 @@ def tiny_config(kind: str) -> Any:
         "mixtral": lambda: t.MixtralConfig(**moe, num_local_experts=4, sliding_window=TINY_WINDOW),
         "granitemoe": lambda: t.GraniteMoeConfig(**moe, num_local_experts=4, embedding_multiplier=4.0,
                                                  attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0),
+        # Sliding and full layers alternating, sinks, YaRN, biases everywhere, the clamped SwiGLU.
+        "gpt_oss": lambda: t.GptOssConfig(**{**moe, "intermediate_size": 32}, num_local_experts=4, head_dim=64,
+                                          sliding_window=TINY_WINDOW, rope_parameters=GPT_OSS_YARN),
     }[kind]()
 
 

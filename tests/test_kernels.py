@@ -28,15 +28,20 @@ def reference(q, k_cache, v_cache, table, context_len, scale):
                                           enable_gqa=True)[0, :, 0]
 
 
-def windowed_reference(q, k_cache, v_cache, table, context_len, scale, window, softcap):
-    """reference() with a sliding window (the last `window` tokens) and a logit softcap, written out."""
+def windowed_reference(q, k_cache, v_cache, table, context_len, scale, window, softcap, sinks=None):
+    """reference() with a sliding window (the last `window` tokens), a logit softcap and attention sinks
+    (a column of the softmax per head, dropped before the values), written out; None: without it."""
     keys = torch.cat([k_cache[b].transpose(1, 2) for b in table.tolist()], dim=1)[:, :context_len].float()
     values = torch.cat([v_cache[b] for b in table.tolist()], dim=1)[:, :context_len].float()
     group = q.shape[0] // keys.shape[0]
     keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
     scores = torch.einsum("hd,htd->ht", q.float(), keys) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores[:, :max(0, context_len - window)] = float("-inf")
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if window is not None:
+        scores[:, :max(0, context_len - window)] = float("-inf")
+    if sinks is not None:
+        return torch.einsum("ht,htd->hd", torch.cat((scores, sinks[:, None]), 1).softmax(-1)[:, :-1], values)
     return torch.einsum("ht,htd->hd", scores.softmax(-1), values)
 
 
@@ -54,11 +59,11 @@ def tiles(request: pytest.FixtureRequest):
     lib.use_amx_tiles(True)
 
 
-def _attend(kernel, q, cache, tables, spans, scale, window=None, softcap=None):
+def _attend(kernel, q, cache, tables, spans, scale, window=None, softcap=None, sinks=None):
     """Run the kernel over spans [(first row, rows, context of the first query)]; padding rows stay 0."""
     out = torch.zeros(q.shape, dtype=q.dtype)
     starts, lens, ctx0 = (torch.tensor(c, dtype=torch.long) for c in zip(*spans))
-    paged_attention_native(kernel, q, cache, tables, starts, lens, ctx0, scale, out, window, softcap)
+    paged_attention_native(kernel, q, cache, tables, starts, lens, ctx0, scale, out, window, softcap, sinks)
     return out
 
 
@@ -100,9 +105,10 @@ def test_attention_matches_sdpa_and_is_batch_invariant(dtype, tol, heads, kv_hea
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_attention_sliding_window_and_softcap(dtype, tol, tiles):
-    """Gemma's sliding window (shorter, equal and longer than a block) and logit softcap: each row against
-    the written-out reference, and the same bits alone as in the batch."""
+def test_attention_sliding_window_softcap_and_sinks(dtype, tol, tiles):
+    """Gemma's sliding window (shorter, equal and longer than a block) and logit softcap, gpt-oss's sinks
+    (with and without a window; one sink far above the scores, one far below): each row against the
+    written-out reference, and the same bits alone as in the batch."""
     heads, kv_heads, head_dim, block_size, scale, softcap = 4, 2, 64, 16, 0.125, 2.0
     kernel = attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads, block_size)
     if kernel is None:
@@ -114,14 +120,18 @@ def test_attention_sliding_window_and_softcap(dtype, tol, tiles):
     spans = [(0, 1, 7), (1, 1, 60), (2, 20, 1), (22, 11, 45)]  # decodes, a fresh prompt, a chunk after 44 cached
     tables = torch.randperm(64, generator=gen)[:4 * 4].view(4, 4)
     q = torch.randn(33, heads, head_dim, generator=gen).to(dtype)
-    for window in (5, 16, 40):
-        out = _attend(kernel, q, cache, tables, spans, scale, window, softcap)
+    sinks = torch.tensor([0.5, -1.0, 30.0, -30.0])
+    for window, softcap, sinks in ((5, 2.0, None), (16, 2.0, None), (40, 2.0, None), (None, None, sinks),
+                                   (16, None, sinks)):
+        out = _attend(kernel, q, cache, tables, spans, scale, window, softcap, sinks)
         for s, (first, rows, ctx0) in enumerate(spans):
             for i in range(rows):
                 row = first + i
-                expected = windowed_reference(q[row], cache.k, cache.v, tables[s], ctx0 + i, scale, window, softcap)
+                expected = windowed_reference(q[row], cache.k, cache.v, tables[s], ctx0 + i, scale, window, softcap,
+                                              sinks)
                 torch.testing.assert_close(out[row].float(), expected, atol=tol, rtol=tol)
-                alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale, window, softcap)
+                alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx0 + i)], scale, window,
+                                softcap, sinks)
                 assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
 
 

@@ -34,7 +34,7 @@ from tests.helpers import (FAMILY_NEW_TOKENS, HFGreedy, assert_family_matches, f
                            layer_loop_outputs, save_tiny_model, tiny_config)
 from tests.llama_cpp import convert_hf_many
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "gpt_oss"]
 # What llama.cpp's converter does not carry (nor llama.cpp run): those families' GGUFs are made from the
 # same config without it.
 GGUF_WITHOUT = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None}, "mixtral": {"sliding_window": None}}
@@ -179,9 +179,10 @@ def test_q8_0_experts(kind: str, ggufs: dict) -> None:
     assert crowd[1].outputs[0].token_ids == alone
 
 
-@pytest.mark.parametrize("kind", ["olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["olmoe", "qwen2_moe", "gpt_oss"])
 def test_torch_twins_match_transformers(kind: str, checkpoints: dict) -> None:
-    """The torch path (MINIVLLM_NO_KERNELS, CUDA): projection q/k norms and clip, the shared expert."""
+    """The torch path (MINIVLLM_NO_KERNELS, CUDA): projection q/k norms and clip, the shared expert,
+    sinks and the clamped SwiGLU."""
     path, reference = checkpoints[kind]
     llm = family_engine(path)
     runner = llm.engine.runner
@@ -219,7 +220,8 @@ def test_expert_kernel_against_its_torch_twin(checkpoints: dict) -> None:
     assert all(torch.equal(moe(x[t:t + 1])[0], row) for t, row in enumerate(moe(x)))
 
 
-@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])  # a shared expert; a dense layer among sparse ones
+# a shared expert; a dense layer among sparse ones; sinks, biases and the clamped SwiGLU
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_native_layer_loop_equals_python_loop(kind: str, checkpoints: dict) -> None:
     llm = family_engine(checkpoints[kind][0], "bfloat16")
     assert llm.engine.runner.model.native_forward is not None
@@ -237,7 +239,7 @@ class FlatStepCost(StepCostModel):
         pass
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "granitemoe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
 def test_bf16_same_tokens_alone_and_in_a_speculative_crowd(kind: str, checkpoints: dict) -> None:
     """A token's experts' outputs never depend on which other tokens share the step or chose the same
     experts: the same bf16 tokens alone (one prefill, then decodes) and in a crowd whose prefills run in

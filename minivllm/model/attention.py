@@ -13,8 +13,9 @@ a prefill, a chunk after a cached prefix or a decode (batch invariance, kernels.
 batches the decodes for scaled_dot_product_attention over gathered blocks and runs each prefill chunk
 on its own (a fresh prompt attends to its own K/V directly; a later chunk reads its context from the
 cache); it is not batch-invariant. A sliding window (a query at position p sees positions > p - window,
-as transformers masks it) and Gemma 2's logit softcap (scores -> cap * tanh(scores / cap) before the
-softmax) are per layer, in both paths. With a quantized cache it attends to what the pool gives back
+as transformers masks it), Gemma 2's logit softcap (scores -> cap * tanh(scores / cap) before the
+softmax) and gpt-oss's attention sinks (a logit per head that joins the softmax's denominator and attends
+to nothing) are per layer, in both paths. With a quantized cache it attends to what the pool gives back
 (kv_cache.round_trip), as the native kernel does, so both see the same K/V. Padding tokens (static batching) attend to nothing: output zero.
 """
 from __future__ import annotations
@@ -77,10 +78,11 @@ def decode_mask(context_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     meta: AttentionMetadata, scale: float, ops: LayerOps | None = None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; `cache` this layer's pool.
     Returns [T, heads, head_dim]. `ops`: the native CPU ops, for the cache write; `window`: the layer's
-    sliding window, if any; `softcap`: its attention logit softcap, if any."""
+    sliding window, if any; `softcap`: its attention logit softcap, if any; `sinks`: its attention
+    sinks, float32 [heads], if any."""
     n = meta.num_real_tokens
     if ops is not None:
         ops.write_kv(k, v, meta.slot_blocks, meta.slot_offsets, cache)
@@ -88,11 +90,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         write_kv(k[:n], v[:n], meta.slot_blocks, meta.slot_offsets, cache)
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
     if isinstance(meta.kernel, TritonAttention):  # CUDA (cuda_kernels.py)
-        meta.kernel(q, cache, meta, scale, out, window, softcap)
+        meta.kernel(q, cache, meta, scale, out, window, softcap, sinks)
         return out
     if meta.kernel is not None:
         paged_attention_native(meta.kernel, q, cache, meta.block_tables, meta.span_starts,
-                               meta.span_lens, meta.span_ctx0, scale, out, window, softcap)
+                               meta.span_lens, meta.span_ctx0, scale, out, window, softcap, sinks)
         return out
 
     d = meta.num_decodes
@@ -102,7 +104,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         if window is not None:  # the query is at position ctx - 1
             first = (meta.span_ctx0[:d] - window)[:, None, None, None]
             mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= first)
-        out[:d] = _attend(q[:d].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
+        out[:d] = _attend(q[:d].unsqueeze(2), keys, values, mask, scale, softcap, sinks).squeeze(2)
     for p in meta.prefills:
         end = p.start + p.num_tokens
         query = q[p.start:end].transpose(0, 1).unsqueeze(0)
@@ -112,27 +114,34 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         else:
             keys, values = _gather(cache, p.block_table[None], q.dtype, p.context_len)
         mask = p.mask
-        if mask is None and (window is not None or softcap is not None):
+        if mask is None and (window is not None or softcap is not None or sinks is not None):
             mask = torch.ones(p.num_tokens, p.num_tokens, dtype=torch.bool, device=q.device).tril()
         if window is not None:
             q_pos = torch.arange(p.context_len - p.num_tokens, p.context_len, device=q.device)[:, None]
             mask = mask & (torch.arange(p.context_len, device=q.device)[None, :] > q_pos - window)
-        out[p.start:end] = _attend(query, keys, values, mask, scale, softcap)[0].transpose(0, 1)
+        out[p.start:end] = _attend(query, keys, values, mask, scale, softcap, sinks)[0].transpose(0, 1)
     return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [b, heads, n, d], k and v [b, kv_heads, m, d]; mask (True: attend) broadcast to [b, heads, n, m],
-    None: causal. scaled_dot_product_attention, or with a softcap the same written out (in float32)."""
-    if softcap is None:
+    None: causal. scaled_dot_product_attention, or with a softcap or sinks the same written out (in
+    float32; a sink is one more column of the softmax, dropped before the values)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
     scores = (q.float() @ k.transpose(-1, -2)) * scale
-    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v).to(q.dtype)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return (scores.softmax(-1) @ v).to(q.dtype)
+    sink_column = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.cat((scores, sink_column), dim=-1).softmax(-1)[..., :-1]
+    return (weights @ v).to(q.dtype)
 
 
 def _gather(cache: KVCache, block_tables: torch.Tensor, dtype: torch.dtype,

@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from minivllm.model import activations
 from minivllm.model.kv_cache import KVCache, kv_format, write_kv
 
 CUDA_DTYPES = (torch.bfloat16, torch.float16)
@@ -71,6 +72,8 @@ class TritonLayerOps:
         _triton_kernels().write_kv(k, v, blocks, offsets, cache.k, cache.v)
 
     def act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        if act == "swiglu_oai":  # element by element in torch: batch-invariant as it is
+            return activations.act_and_mul(gate_up, act)
         return _triton_kernels().act_and_mul(gate_up, act)
 
 
@@ -78,10 +81,10 @@ class TritonAttention:
     """The paged-attention entry: every query of a step in one launch, read through the block table."""
 
     def __call__(self, q: torch.Tensor, cache: KVCache, meta, scale: float, out: torch.Tensor,
-                 window: int | None = None, softcap: float | None = None) -> None:
+                 window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         """meta: attention.AttentionMetadata (its spans, block tables and max_span_len)."""
         _triton_kernels().paged_attention(q, cache.k, cache.v, meta.block_tables, meta.span_starts, meta.span_lens,
-                                          meta.span_ctx0, meta.max_span_len, scale, out, window, softcap)
+                                          meta.span_ctx0, meta.max_span_len, scale, out, window, softcap, sinks)
 
 
 def gemm(dtype: torch.dtype) -> TritonGemm | None:

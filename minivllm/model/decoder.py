@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.model.activations import act_and_mul
 from minivllm.model.attention import AttentionMetadata, paged_attention
 from minivllm.model.kernels import Gemm, LayerOps, forward_layers, gemm, layer_ops, moe_kernel, quant_gemm
 from minivllm.model.kv_cache import KVCache
@@ -139,11 +140,38 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
                                torch.where(wavelen < old_len / high, inv_freq, blended))
     elif kind == "freq_factors":  # a GGUF's rope_freqs: the same scaling, precomputed per frequency
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    elif kind == "yarn":  # gpt-oss, Qwen3's long-context configs
+        inv_freq = _yarn_inv_freq(theta ** exponents, scaling, dim, theta)
     elif kind == "longrope":  # Phi-3: per-frequency factors, as transformers divides by them
         inv_freq = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu") * theta ** exponents)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq
+
+
+def _yarn_inv_freq(base_powers: torch.Tensor, scaling: dict, dim: int, theta: float) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by the factor), those that turn more than beta_fast times kept, a linear ramp between, as
+    transformers computes them."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+    return 1.0 / (factor * base_powers) * ramp + 1.0 / base_powers * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict) -> float:
+    """The factor YaRN and longrope multiply cos and sin by: the config's, else YaRN's 0.1 ln(factor) + 1."""
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor = scaling.get("factor", 1.0)
+    return 0.1 * math.log(factor) + 1.0 if scaling.get("rope_type") == "yarn" and factor > 1 else 1.0
 
 
 class Rotary(nn.Module):
@@ -157,12 +185,12 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config, local), persistent=False)
         scaling = {} if local else config.rope_scaling or {}
-        self.long_from, self.attention_factor = None, 1.0
+        self.long_from, self.attention_factor = None, rope_attention_factor(scaling)
         if scaling.get("rope_type") == "longrope":
             exponents = torch.arange(0, config.rotary_size, 2, device="cpu").float() / config.rotary_size
             long = torch.tensor(scaling["long_factor"], dtype=torch.float32, device="cpu")
             self.register_buffer("long_inv_freq", 1.0 / (long * config.rope_theta ** exponents), persistent=False)
-            self.long_from, self.attention_factor = scaling["original_max_position_embeddings"], scaling["attention_factor"]
+            self.long_from = scaling["original_max_position_embeddings"]
 
     def forward(self, positions: torch.Tensor, long_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -206,7 +234,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        # gpt-oss's attention sinks: a logit per head in the softmax's denominator (float32 for the kernels).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
+        self.sink_logits: torch.Tensor | None = None
         # Per head (Qwen3, Gemma 3), or over the whole projection before the heads split (OLMoE).
         self.norm_projection = config.qk_norm_span == "projection"
         q_norm_size, k_norm_size = (self.q_size, self.kv_size) if self.norm_projection else (self.head_dim,) * 2
@@ -239,27 +270,25 @@ class Attention(nn.Module):
                 self.ops.rotary_(q, k, *rope)
             else:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops, self.window, self.softcap)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops, self.window, self.softcap,
+                            self.sink_logits)
         return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
     ops: LayerOps | None = None
 
-    def __init__(self, config: ModelConfig, width: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, width: int | None = None, bias: bool = False) -> None:
         super().__init__()
         width = width or config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * width, bias=False)
-        self.down_proj = Linear(width, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * width, bias=bias)
+        self.down_proj = Linear(width, config.hidden_size, bias=bias)
         self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.ops is not None:
-            return self.down_proj(self.ops.act_and_mul(gate_up, self.act))
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(gate * up)
+        ops = self.ops.act_and_mul if self.ops is not None else act_and_mul
+        return self.down_proj(ops(gate_up, self.act))
 
 
 class SparseMoE(nn.Module):
@@ -272,8 +301,9 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(config, config.expert_size) for _ in range(config.num_experts))
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=config.expert_bias)
+        self.experts = nn.ModuleList(MLP(config, config.expert_size, config.expert_bias)
+                                     for _ in range(config.num_experts))
         self.shared_expert = MLP(config, config.shared_expert_size) if config.shared_expert_size else None
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if config.shared_expert_size else None
         self.top_k, self.routing, self.norm_topk_prob = config.num_experts_per_tok, config.routing, config.norm_topk_prob
@@ -383,6 +413,8 @@ class CausalLM(nn.Module):
                 module.use_native(enabled, device, dtype)
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+            if isinstance(module, Attention) and module.sinks is not None:
+                module.sink_logits = module.sinks.detach().float().contiguous()
         experts = moe_kernel(device, dtype) if enabled else None
         for module in self.modules():
             if isinstance(module, SparseMoE):

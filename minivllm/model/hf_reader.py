@@ -91,7 +91,8 @@ def _hf_weights(path: Path, dtype: torch.dtype | None, fam: Family) -> Iterator[
                     name = _LANGUAGE_MODEL_PREFIXES[prefix] + name.removeprefix(prefix)
                 for old, new in fam.hf_tensor_renames:
                     name = name.replace(old, new)
-                for name, tensor in _per_expert(name, tensor):
+                split = _per_expert_transposed if fam.hf_experts_transposed else _per_expert
+                for name, tensor in split(name, tensor):
                     yield name, tensor if dtype is None else tensor.to(dtype)
 
 
@@ -110,3 +111,24 @@ def _per_expert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Te
     head, proj = name.removesuffix(".weight").rsplit(".", 1)
     for expert, weight in enumerate(tensor.unbind(0)):
         yield f"{head}.{expert}.{proj}.weight", weight
+
+
+def _per_expert_transposed(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's stacked experts, [experts, in, out] with gate and up columns interleaved (even: gate,
+    odd: up) and a bias stack beside each, as one gate_proj, up_proj and down_proj per expert."""
+    head, _, proj = name.rpartition(".")
+    if not head.endswith("experts") or proj not in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        yield name, tensor
+        return
+    base, _, kind = proj.partition("_proj")
+    suffix = "bias" if kind == "_bias" else "weight"
+    if tensor.dim() != (2 if suffix == "bias" else 3):
+        raise ValueError(f"expert tensor {name} has shape {tuple(tensor.shape)}; expected "
+                         f"{'[experts, out]' if suffix == 'bias' else '[experts, in, out]'}")
+    for expert, t in enumerate(tensor.unbind(0)):
+        t = t.t() if suffix == "weight" else t
+        if base == "down":
+            yield f"{head}.{expert}.down_proj.{suffix}", t.contiguous()
+        else:
+            yield f"{head}.{expert}.gate_proj.{suffix}", t[0::2].contiguous()
+            yield f"{head}.{expert}.up_proj.{suffix}", t[1::2].contiguous()

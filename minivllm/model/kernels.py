@@ -120,7 +120,7 @@ def library(arch: str) -> ctypes.CDLL | None:
         for kv in ("", *(f"_{name}" for name in _QUANTIZED_KV)):
             getattr(lib, f"paged_attention_{suffix}{kv}").argtypes = [
                 _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-                ctypes.c_float, _I64, ctypes.c_float, _PTR]
+                ctypes.c_float, _I64, ctypes.c_float, _PTR, _PTR]
         for kv in _QUANTIZED_KV:
             getattr(lib, f"write_kv_{suffix}_{kv}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                                 _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float,
@@ -215,13 +215,14 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, gr
 def paged_attention_native(kernel, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
                            span_starts: torch.Tensor, span_lens: torch.Tensor, span_ctx0: torch.Tensor,
                            scale: float, out: torch.Tensor, window: int | None = None,
-                           softcap: float | None = None) -> None:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Attention for every query row that a span covers, written into `out` ([T, heads, head_dim],
     contiguous); other rows are left as they are. q: [T, heads, head_dim], each row's heads contiguous (a
     view into the fused qkv output is fine); `cache` in the format the kernel was chosen for; block_tables [spans,
     max_blocks] int64; span i covers rows span_starts[i] .. + span_lens[i], whose first query sees
     span_ctx0[i] tokens (itself included) and each next one a token more; with a `window`, only its last
-    `window` of them; with a `softcap`, scores capped as cap * tanh(score / cap)."""
+    `window` of them; with a `softcap`, scores capped as cap * tanh(score / cap); with `sinks` (float32
+    [heads]), each head's sink logit in its softmax's denominator."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -229,7 +230,7 @@ def paged_attention_native(kernel, q: torch.Tensor, cache: KVCache, block_tables
     kernel(q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), k_scale, v_scale, block_tables.data_ptr(),
            block_tables.shape[1], span_starts.data_ptr(), span_lens.data_ptr(), span_ctx0.data_ptr(),
            span_starts.shape[0], num_heads, cache.k.shape[1], head_dim, cache.k.shape[3], scale, window or 0,
-           softcap or 0.0, out.data_ptr())
+           softcap or 0.0, None if sinks is None else sinks.data_ptr(), out.data_ptr())
 
 
 PANEL = 32  # csrc/gemm.c: output columns per packed panel

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROPE_GLOBAL, ROPE_LOCAL, NO_ROPE = 0, 1, -1  # a layer's rotary table (csrc/forward.c reads the same numbers)
-ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation; its index is csrc/forward.c's `act`
+# The MLP's gate activation; its index is csrc/forward.c's `act`. "swiglu_oai": gpt-oss's clamped SwiGLU,
+# (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g) with g = min(gate, 7), its constants fixed as llama.cpp fixes them.
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 # How a mixture-of-experts router turns its logits into the top-k experts' weights (moe.py):
 # "softmax": softmax over all experts, then the top k (renormalized with norm_topk_prob);
 # "topk_softmax": the top k logits, then softmax over those k (Granite-MoE, gpt-oss).
@@ -32,6 +35,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: dict | None = None  # llama3, linear, longrope, or a GGUF's per-frequency factors
     attention_bias: bool = False  # Qwen2 has q/k/v biases
+    attention_out_bias: bool = False  # gpt-oss: o_proj's too
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head that joins only the softmax's denominator
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm per head on q and k before RoPE
     qk_norm_span: str = "head"  # "projection": OLMoE's norm over the whole q (k) projection, before the heads split
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv
@@ -59,6 +64,7 @@ class ModelConfig:
     routing: str = "softmax"  # one of ROUTINGS
     norm_topk_prob: bool = False  # "softmax" routing: divide the k weights by their sum
     shared_expert_size: int | None = None  # Qwen2-MoE: a dense expert for every token, gated by sigmoid(x . g)
+    expert_bias: bool = False  # gpt-oss: the router and each expert's projections have biases
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 

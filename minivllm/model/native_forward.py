@@ -51,7 +51,8 @@ class _MoE(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("moe", _PTR)] + [
-        (name, _PTR) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")] + [
+        (name, _PTR) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm",
+                                  "sinks")] + [
         ("rope", _I64), ("window", _I64)]
 
 
@@ -99,7 +100,8 @@ def _layer(layer) -> _Layer:
                   layer.input_layernorm.weight.data_ptr(), mlp_norm.weight.data_ptr(),
                   _weight(attn.q_norm), _weight(attn.k_norm),
                   _weight(layer.post_attention_layernorm if sandwich else None),
-                  _weight(layer.post_feedforward_layernorm if sandwich else None), attn.rope, attn.window or 0)
+                  _weight(layer.post_feedforward_layernorm if sandwich else None), _ptr(attn.sink_logits),
+                  attn.rope, attn.window or 0)
 
 
 def _weight(norm) -> int | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.model.model_config import ModelConfig
+from minivllm.model.model_config import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, ModelConfig
 
 Switches = dict[str, Any]  # ModelConfig fields a family sets beyond the common ones
 Metadata = Callable[..., Any]  # a GGUF file's "{arch}.KEY" values: meta(KEY, default)
@@ -34,6 +34,8 @@ class Family:
     # HF tensor names as the decoder has them, where the family's checkpoints differ: (old, new)
     # substrings, replaced in order (Mixtral's block_sparse_moe.experts.E.w1 -> mlp.experts.E.gate_proj).
     hf_tensor_renames: tuple[tuple[str, str], ...] = ()
+    # gpt-oss: stacked experts stored [experts, in, out], gate and up columns interleaved, with biases.
+    hf_experts_transposed: bool = False
 
 
 def rope_parameters(cfg: dict) -> dict:
@@ -156,6 +158,21 @@ def _norm_topk_gguf(default: bool) -> Callable[[ModelConfig, Metadata], Switches
     return lambda config, meta: {"norm_topk_prob": meta("expert_weights_norm", default)} if config.num_experts else {}
 
 
+def _gpt_oss_hf(cfg: dict) -> Switches:
+    """gpt-oss: biases on all four attention projections, sinks, alternating sliding and full layers, and
+    a router with a bias over experts with biases and the clamped SwiGLU, whose constants minivllm's
+    kernels fix as llama.cpp does."""
+    alpha, limit = cfg.get("swiglu_alpha", SWIGLU_OAI_ALPHA), cfg.get("swiglu_limit", SWIGLU_OAI_LIMIT)
+    if (alpha, limit) != (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT):
+        raise ValueError(f"swiglu_alpha {alpha} and swiglu_limit {limit}: minivllm runs gpt-oss's clamped SwiGLU "
+                         f"with alpha {SWIGLU_OAI_ALPHA} and limit {SWIGLU_OAI_LIMIT} only")
+    bias = cfg.get("attention_bias", True)
+    return {**_layer_types_windows(cfg), **_moe_hf(cfg), "moe_intermediate_size": cfg["intermediate_size"],
+            "attention_bias": bias, "attention_out_bias": bias}
+
+
+_GPT_OSS = {"attention_sinks": True, "expert_bias": True, "routing": "topk_softmax", "hidden_act": "swiglu_oai"}
+
 _GEMMA = {"hidden_act": "gelu_tanh", "sandwich_norms": True}
 _GEMMA_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                   "post_ffw_norm": "post_feedforward_layernorm"}
@@ -197,6 +214,8 @@ FAMILIES = [
     Family("granite_moe", ("GraniteMoeForCausalLM",), "granitemoe", {"routing": "topk_softmax"},
            hf_switches=lambda cfg: {**_granite_hf(cfg), **_moe_hf(cfg)}, gguf_permuted_qk=True,
            hf_tensor_renames=_GRANITE_MOE_TENSORS),
+    Family("gpt_oss", ("GptOssForCausalLM",), "gpt-oss", _GPT_OSS, hf_switches=_gpt_oss_hf,
+           hf_tensor_renames=((".mlp.router.", ".mlp.gate."),), hf_experts_transposed=True),
 ]
 _BY_HF = {arch: f for f in FAMILIES for arch in f.hf_architectures}
 _BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}

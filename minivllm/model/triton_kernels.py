@@ -270,12 +270,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: to
 
 @triton.jit(do_not_specialize=["window"])
 def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, ctx0_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, ctx0_ptr, sinks_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kcb, stride_kch, stride_kcd,
         stride_vcb, stride_vch, stride_vcs, stride_table, scale, window, softcap,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr):
     span, tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(lens_ptr + span)
     if tile * BLOCK_Q < n:
@@ -330,6 +330,9 @@ def _paged_attention_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if HAS_SINKS:  # the head's sink logit joins the denominator alone (past e^80 the weights are 0 anyway)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+            l_i = l_i + tl.exp(tl.minimum(sink - m_i, 80.0))
         o = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -337,7 +340,8 @@ def _paged_attention_kernel(
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     span_starts: torch.Tensor, span_lens: torch.Tensor, span_ctx0: torch.Tensor, max_span_len: int,
-                    scale: float, out: torch.Tensor, window: int | None, softcap: float | None) -> None:
+                    scale: float, out: torch.Tensor, window: int | None, softcap: float | None,
+                    sinks: torch.Tensor | None = None) -> None:
     """Attention for every query row a span covers, into `out` [T, heads, head_dim]; the arguments as
     kernels.paged_attention_native's, plus the longest span (it sizes the grid, so no device read)."""
     spans = span_starts.shape[0]
@@ -350,10 +354,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = max(1, ATTN_BLOCK_M // group_pad)
     grid = (spans, triton.cdiv(max_span_len, block_q), kv_heads)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, span_starts, span_lens, span_ctx0, q.stride(0), q.stride(1),
+        q, k_cache, v_cache, out, block_tables, span_starts, span_lens, span_ctx0, sinks if sinks is not None else q,
+        q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), scale, window or 0, softcap or 1.0,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=ATTN_BLOCK_N,
-        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2)

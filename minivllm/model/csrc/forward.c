@@ -35,13 +35,14 @@ typedef struct {
     const void *input_norm, *post_norm;  /* post_norm: the MLP's input norm */
     const void *q_norm, *k_norm;  /* per head, or NULL */
     const void *attn_out_norm, *mlp_out_norm;  /* Gemma's norms of the attention and MLP outputs, or NULL */
+    const float *sinks;  /* gpt-oss's attention sink per head, float32, or NULL */
     int64_t rope;  /* the rotary table (StepDesc.cos/sin index), or -1: none */
     int64_t window;  /* sliding window, or 0 */
 } LayerDesc;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, rot_dim;
-    int64_t act;  /* model_config.ACTIVATIONS: 0 silu, 1 gelu_tanh */
+    int64_t act;  /* model_config.ACTIVATIONS: 0 silu, 1 gelu_tanh, 2 swiglu_oai */
     float eps, scale, softcap, residual_scale;  /* softcap 0: none */
     const LayerDesc *layers;
     const void *final_norm;
@@ -76,18 +77,17 @@ typedef struct {
                     int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rot_dim); \
     void head_rms_norm_##S(T *x, int64_t stride, int64_t tokens, int64_t heads, int64_t head_dim,        \
                            const T *weight, float eps);                                                  \
-    void gelu_tanh_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter);                 \
+    void act_and_mul_##S(int64_t act, const T *gate_up, T *out, int64_t tokens, int64_t inter);        \
     void write_kv_##S(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *blocks, \
                       const int64_t *offsets, int64_t tokens, int64_t kv_heads, int64_t head_dim,        \
                       int64_t block_size, T *k_cache, T *v_cache);                                       \
-    void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter);                      \
     /* The pool-format kernels, through ModelDesc (their pool pointers are the format's element type). */ \
     typedef void (*attention_##S##_fn)(const T *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
                                        const float *k_scale, const float *v_scale, const int64_t *block_tables, \
                                        int64_t max_blocks, const int64_t *span_starts, const int64_t *span_lens, \
                                        const int64_t *span_ctx0, int64_t spans, int64_t heads, int64_t kv_heads, \
                                        int64_t head_dim, int64_t block_size, float scale, int64_t window, \
-                                       float softcap, T *out);                                           \
+                                       float softcap, const float *sinks, T *out);                       \
     typedef void (*write_kv_quant_##S##_fn)(const T *k, int64_t k_stride, const T *v, int64_t v_stride,   \
                                             const int64_t *blocks, const int64_t *offsets, int64_t tokens, \
                                             int64_t kv_heads, int64_t head_dim, int64_t block_size,      \
@@ -158,7 +158,7 @@ void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *o
         if (s->real_tokens < M) memset(attn, 0, sizeof(T) * M * q_size); /* padding attends to nothing */ \
         ((attention_##S##_fn)m->attention)(qkv, qkv_width, kc, vc, ks, vs, s->block_tables, s->max_blocks, \
                             s->span_starts, s->span_lens, s->span_ctx0, s->spans, m->heads, m->kv_heads, \
-                            m->head_dim, m->block_size, m->scale, L->window, m->softcap, attn);          \
+                            m->head_dim, m->block_size, m->scale, L->window, m->softcap, L->sinks, attn); \
         linear_##S(&L->o, attn, delta, M, s, i * LORA_TARGETS + 1);                                      \
         pending = sandwich_##S(L->attn_out_norm, delta, sandwiched, m, M);                               \
         add_rms_norm_##S(pending, residual, (const T *)L->post_norm, normed, M, m->hidden, m->eps);      \
@@ -166,7 +166,7 @@ void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *o
             moe_##S(L->moe, normed, delta, M, m->hidden);                                                \
         } else {                                                                                         \
             linear_##S(&L->gate_up, normed, gate_up, M, s, i * LORA_TARGETS + 2);                        \
-            (m->act ? gelu_tanh_and_mul_##S : silu_and_mul_##S)(gate_up, act, M, m->inter);              \
+            act_and_mul_##S(m->act, gate_up, act, M, m->inter);                                          \
             linear_##S(&L->down, act, delta, M, s, i * LORA_TARGETS + 3);                                \
         }                                                                                                \
         pending = sandwich_##S(L->mlp_out_norm, delta, sandwiched, m, M);                                \

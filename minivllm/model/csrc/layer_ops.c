@@ -42,6 +42,26 @@ void ACT##_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) 
     }                                                                                                      \
 }
 
+/* gpt-oss's clamped SwiGLU: out = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit),
+ * each product and sum rounded to T where torch rounds it (model_config.SWIGLU_OAI_*, moe.py's twin). */
+#define SWIGLU_OAI_ALPHA 1.702f
+#define SWIGLU_OAI_LIMIT 7.f
+#define SWIGLU_OAI_AND_MUL(S, T, LOAD, STORE)                                                              \
+void swiglu_oai_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) {                     \
+    _Pragma("omp parallel for if(tokens >= PARALLEL_ROWS)")                                                \
+    for (int64_t t = 0; t < tokens; t++) {                                                                 \
+        const T *g = gate_up + t * 2 * inter, *u = g + inter;                                              \
+        T *o = out + t * inter;                                                                            \
+        for (int64_t i = 0; i < inter; i++) {                                                              \
+            const float gate = fminf(LOAD(g[i]), SWIGLU_OAI_LIMIT);                                        \
+            const float up = fminf(fmaxf(LOAD(u[i]), -SWIGLU_OAI_LIMIT), SWIGLU_OAI_LIMIT);                \
+            const float scaled = round_##S(gate * SWIGLU_OAI_ALPHA);                                       \
+            const float sig = round_##S(1.f / (1.f + expf(fminf(-scaled, 88.f))));                         \
+            o[i] = STORE(round_##S(up + 1.f) * round_##S(gate * sig));                                     \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+
 #define DEFINE_OPS(S, T, LOAD, STORE)                                                                      \
 static inline float round_##S(float x) { return LOAD(STORE(x)); }                                          \
                                                                                                            \
@@ -108,7 +128,13 @@ void write_kv_##S(const T *k, int64_t k_stride, const T *v, int64_t v_stride, co
 }                                                                                                          \
                                                                                                            \
 ACT_AND_MUL(S, T, LOAD, STORE, silu)                                                                       \
-ACT_AND_MUL(S, T, LOAD, STORE, gelu_tanh)
+ACT_AND_MUL(S, T, LOAD, STORE, gelu_tanh)                                                                  \
+SWIGLU_OAI_AND_MUL(S, T, LOAD, STORE)                                                                      \
+                                                                                                           \
+/* The MLP's activation by its index in model_config.ACTIVATIONS (forward.c's and moe.c's `act`). */      \
+void act_and_mul_##S(int64_t act, const T *gate_up, T *out, int64_t tokens, int64_t inter) {               \
+    (act == 0 ? silu_and_mul_##S : act == 1 ? gelu_tanh_and_mul_##S : swiglu_oai_and_mul_##S)(gate_up, out, tokens, inter); \
+}
 
 DEFINE_OPS(bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_OPS(f32, float, f32_load, f32_store)

@@ -57,8 +57,7 @@ void gemm_##S(const T *x, int64_t ldx, const W *w, const float *bias, T *out, in
               int64_t M, int64_t N, int64_t K);                                                          \
 void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,                  \
                T *out, int64_t ldo, int64_t M, int64_t N, int64_t K);                                    \
-void silu_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter);                          \
-void gelu_tanh_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter);                     \
+void act_and_mul_##S(int64_t act, const T *gate_up, T *out, int64_t tokens, int64_t inter);           \
                                                                                                          \
 /* out[M, n] = x[M, k] W^T (+ bias): the float GEMM, or the quantized one per segment. */                 \
 void apply_linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {                              \
@@ -76,7 +75,7 @@ void apply_linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {     
 static void expert_##S(const ExpertDesc *e, int64_t inter, int64_t act, const T *x, T *out, int64_t M,  \
                        T *gate_up, T *hidden) {                                                          \
     apply_linear_##S(&e->gate_up, x, gate_up, M);                                                        \
-    (act ? gelu_tanh_and_mul_##S : silu_and_mul_##S)(gate_up, hidden, M, inter);                         \
+    act_and_mul_##S(act, gate_up, hidden, M, inter);                                                     \
     apply_linear_##S(&e->down, hidden, out, M);                                                          \
 }                                                                                                        \
                                                                                                          \

@@ -25,7 +25,8 @@
  *
  * A sliding window (Gemma, Mistral, Phi-3) narrows a query's context to its last `window` tokens: the
  * blocks before the window are skipped and the softmax runs over the window alone; a logit softcap
- * (Gemma 2) maps each score to cap * tanh(score / cap) before it. Both are per layer and, like the
+ * (Gemma 2) maps each score to cap * tanh(score / cap) before it; an attention sink (gpt-oss) is one
+ * learned logit per head added to the softmax's denominator alone. All are per layer and, like the
  * rest, a function of the query's own context only.
  *
  * Built at first use with the system's C compiler (kernels.py), with -ffast-math for vectorized expf.
@@ -212,8 +213,9 @@ static inline int64_t first_visible(int64_t ctx, int64_t window) { return window
 
 /* The softmax of one query head's scores over its tokens lo .. ctx - 1, in place. The row is MASKED
  * before lo (a sliding window's start; the scores there may never have been computed) and from ctx to
- * `padded` (a multiple of SCORE_ALIGN, set by ctx alone); it is 64-byte aligned. */
-static inline void softmax_row(float *restrict sc, int64_t lo, int64_t ctx, int64_t padded) {
+ * `padded` (a multiple of SCORE_ALIGN, set by ctx alone); it is 64-byte aligned. `sink`, if not NULL,
+ * is the head's attention sink (gpt-oss): a logit that joins the denominator and attends to nothing. */
+static inline void softmax_row(float *restrict sc, int64_t lo, int64_t ctx, int64_t padded, const float *sink) {
     float m = sc[lo], sum = 0.f;
     for (int64_t t = lo + 1; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
     for (int64_t t = 0; t < lo; t++) sc[t] = MASKED;
@@ -228,6 +230,7 @@ static inline void softmax_row(float *restrict sc, int64_t lo, int64_t ctx, int6
         sc[t] = t >= lo && t < ctx ? e : 0.f;
         sum += sc[t];
     }
+    if (sink) sum += expf(fminf(*sink - m, 80.f));  /* past e^80 the row's weights are 0 in float anyway */
     const float inv = 1.f / sum;
     _Pragma("omp simd aligned(sc:64)")
     for (int64_t t = 0; t < padded; t++) sc[t] *= inv;
@@ -243,7 +246,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, const float *k_scale,             \
         const float *v_scale, int64_t scale_tile, const int64_t *table, int64_t ctx0,                       \
         int64_t nq, int64_t group, int64_t head_dim, int64_t block_size, int64_t tile, float scale,         \
-        T *out, int64_t out_stride, float *scores, int64_t row, int64_t window, float softcap) {           \
+        T *out, int64_t out_stride, float *scores, int64_t row, int64_t window, float softcap,             \
+        const float *sinks) {                                                                              \
     float qf[Q_TILE][MAX_GROUP][MAX_HEAD_DIM], acc[Q_TILE][MAX_GROUP][MAX_HEAD_DIM];                              \
     tile_t tile_buf;                                                                                       \
     const float *kv = tile_buf.f;                                                                          \
@@ -300,7 +304,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t j = 0; j < nq; j++)                                                                       \
         for (int64_t g = 0; g < group; g++)                                                                \
             softmax_row(scores + (j * group + g) * row, first_visible(ctx0 + j, window), ctx0 + j,         \
-                        round_up(ctx0 + j, SCORE_ALIGN));                                                  \
+                        round_up(ctx0 + j, SCORE_ALIGN), sinks ? sinks + g : NULL);                        \
     for (int64_t j = 0; j < nq; j++)                                                                       \
         for (int64_t g = 0; g < group; g++)                                                                \
             for (int64_t d = 0; d < head_dim; d++) acc[j][g][d] = 0.f;                                     \
@@ -570,7 +574,7 @@ static inline void accumulate4(float *acc, int64_t head_dim, const float *pv, co
 static void amx_task(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                      const int64_t *table, int64_t ctx0, int64_t nq, int64_t group, int64_t head_dim,
                      int64_t block_size, int64_t tile, float scale, uint16_t *out, int64_t out_stride,
-                     int64_t window, float softcap) {
+                     int64_t window, float softcap, const float *sinks) {
     const int64_t rows = nq * group, tiles = (rows + AMX_ROWS - 1) / AMX_ROWS, padded = tiles * AMX_ROWS;
     const int64_t steps = head_dim / 32, ctx_max = ctx0 + nq - 1;
     uint16_t *qb = aligned_alloc(64, sizeof(uint16_t) * padded * head_dim);
@@ -625,7 +629,9 @@ static void amx_task(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
     _tile_release();
     for (int64_t r = 0; r < rows; r++) {
         const int64_t j = r / group, g = r % group;
-        const float inv = 1.f / row_sum(st + r);
+        float sum = row_sum(st + r);
+        if (sinks) sum += exp2f(fminf(sinks[g] * 1.44269504f - st[r].m, 126.f));  /* m is in log2 units */
+        const float inv = 1.f / sum;
         for (int64_t d = 0; d < head_dim; d++) out[j * out_stride + g * head_dim + d] = float_to_bf16(acc[r * head_dim + d] * inv);
     }
     free(qb), free(acc), free(ctx), free(st), free(active), free(kp), free(vp);
@@ -637,7 +643,7 @@ static int paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16
                                const int64_t *block_tables, int64_t max_blocks, const int64_t *span_start,
                                const int64_t *span_len, const int64_t *span_ctx0, int64_t num_spans, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                               float softcap, uint16_t *out) {
+                               float softcap, const float *sinks, uint16_t *out) {
     if (!amx_tiles_ready() || head_dim % 64 || block_size % 16) return 0;
     const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;
     const int64_t tile = num_kv_heads * head_tile, out_stride = num_heads * head_dim;
@@ -655,7 +661,7 @@ static int paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16
             amx_task(q + start * q_stride + kh * group * head_dim, q_stride, k_cache + kh * head_tile,
                      v_cache + kh * head_tile, block_tables + s * max_blocks, span_ctx0[s] + i, nq, group, head_dim,
                      block_size, tile, scale, out + start * out_stride + kh * group * head_dim, out_stride, window,
-                     softcap);
+                     softcap, sinks ? sinks + kh * group : NULL);
         }
     free(tasks);
     return 1;
@@ -672,7 +678,7 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
           const float *v_scale, const int64_t *block_tables,                                                \
           int64_t max_blocks, const int64_t *span_start, const int64_t *span_len, const int64_t *span_ctx0, \
           int64_t num_spans, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, \
-          float scale, int64_t window, float softcap, T *out) {                                            \
+          float scale, int64_t window, float softcap, const float *sinks, T *out) {                        \
     const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;                     \
     const int64_t tile = num_kv_heads * head_tile, out_stride = num_heads * head_dim;                      \
     const int64_t scale_tile = num_kv_heads * block_size;                                                  \
@@ -698,14 +704,15 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
             const float *ks = SCALED ? k_scale + kh * block_size : NULL;                                   \
             const float *vs = SCALED ? v_scale + kh * block_size : NULL;                                   \
             const int64_t *table = block_tables + s * max_blocks;                                          \
+            const float *sk = sinks ? sinks + kh * group : NULL;                                           \
             /* Literal sizes for the common shapes let the compiler unroll and keep tiles in registers. */ \
             if (head_dim == 64 && block_size == 16)                                                        \
-                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 64, 16, tile, scale, oh, out_stride, scores, row, window, softcap); \
+                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 64, 16, tile, scale, oh, out_stride, scores, row, window, softcap, sk); \
             else if (head_dim == 128 && block_size == 16)                                                  \
-                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 128, 16, tile, scale, oh, out_stride, scores, row, window, softcap); \
+                NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 128, 16, tile, scale, oh, out_stride, scores, row, window, softcap, sk); \
             else                                                                                           \
                 NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, head_dim, block_size, tile, scale, oh, \
-                            out_stride, scores, row, window, softcap);                                                      \
+                            out_stride, scores, row, window, softcap, sk);                                                  \
             free(scores);                                                                                  \
         }                                                                                                  \
     free(tasks);                                                                                           \
@@ -725,13 +732,13 @@ void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
                           const float *k_scale, const float *v_scale, const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *span_start, const int64_t *span_len, const int64_t *span_ctx0, int64_t num_spans,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          int64_t window, float softcap, uint16_t *out) {
+                          int64_t window, float softcap, const float *sinks, uint16_t *out) {
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (paged_attention_amx(q, q_stride, k_cache, v_cache, block_tables, max_blocks, span_start, span_len, span_ctx0,
-                            num_spans, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, out))
+                            num_spans, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, sinks, out))
         return;
 #endif
     paged_attention_bf16_vector(q, q_stride, k_cache, v_cache, k_scale, v_scale, block_tables, max_blocks, span_start,
                                 span_len, span_ctx0, num_spans, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                window, softcap, out);
+                                window, softcap, sinks, out);
 }
