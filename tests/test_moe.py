@@ -30,14 +30,15 @@ from minivllm.model.gguf_file import GGUFFile
 from minivllm.model.loader import weight_bytes
 from minivllm.server.metrics import ServerMetrics
 from minivllm.spec_decode.extension import SpeculativeDecoding, StepCostModel
-from tests.helpers import (FAMILY_NEW_TOKENS, HFGreedy, assert_family_matches, family_engine, family_prompts, greedy,
+from tests.helpers import (FAMILY_NEW_TOKENS, GPT_OSS_YARN, HFGreedy, assert_family_matches, family_engine, family_prompts, greedy,
                            layer_loop_outputs, save_tiny_model, tiny_config)
 from tests.llama_cpp import convert_hf_many
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "gpt_oss"]
 # What llama.cpp's converter does not carry (nor llama.cpp run): those families' GGUFs are made from the
 # same config without it.
-GGUF_WITHOUT = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None}, "mixtral": {"sliding_window": None}}
+GGUF_WITHOUT = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None}, "mixtral": {"sliding_window": None},
+                "gpt_oss": {"rope_parameters": {**GPT_OSS_YARN, "truncate": True}}}  # llama.cpp's YaRN truncates
 Q8_FAMILIES = ["qwen3_moe", "qwen2_moe"]
 
 

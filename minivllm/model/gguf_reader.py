@@ -66,6 +66,7 @@ def read_gguf_checkpoint(path: Path, dtype: torch.dtype | None, keep_quantized: 
         tie_word_embeddings="output.weight" not in tensors,
         rope_scaling=_gguf_rope_scaling(f, meta, tensors),
         attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_out_bias="blk.0.attn_output.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sliding_window=meta("attention.sliding_window") or None,  # Phi-3 writes 0 for none
         rotary_dim=meta("rope.dimension_count") if meta("rope.dimension_count", head_dim) < head_dim else None,
@@ -105,6 +106,11 @@ def _moe_fields(meta, tensors: dict[str, GGUFTensorInfo], layers: int, where: st
 def _gguf_rope_scaling(f: GGUFFile, meta, tensors: dict[str, GGUFTensorInfo]) -> dict | None:
     if meta("rope.scaling.type") == "linear":
         return {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    if meta("rope.scaling.type") == "yarn":
+        return {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
+                "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
+                "beta_fast": meta("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": meta("rope.scaling.yarn_beta_slow", 1.0),
+                "attention_factor": meta("rope.scaling.yarn_attn_factor")}
     # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-frequency divisors, not as metadata,
     # and longrope's (Phi-3) as two such tensors, with its attention factor as metadata.
     if "rope_freqs.weight" in tensors:
@@ -126,7 +132,8 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, fam: Family, dtype: torch.dt
         base, _, suffix = t.name.rpartition(".")  # suffix: weight | bias
         parts = base.split(".")
         if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+            # gpt-oss's sinks: the converter appends .weight to a name that has none
+            hf = f"model.layers.{parts[1]}.{names[parts[2]]}" + ("" if parts[2] == "attn_sinks" else f".{suffix}")
         elif base in names:
             hf = f"{names[base]}.{suffix}"
         else:
@@ -157,11 +164,17 @@ def _gguf_weights(f: GGUFFile, config: ModelConfig, fam: Family, dtype: torch.dt
 def _per_expert(f: GGUFFile, t: GGUFTensorInfo, hf: str, dtype: torch.dtype, keep_quantized: bool
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """A 3-D expert tensor [experts, out, in] as one `experts.E.<proj>.weight` per expert, each in place
-    in the file (a view of its blocks, or decoded from them)."""
+    in the file (a view of its blocks, or decoded from them); gpt-oss's biases [experts, out] as one
+    `experts.E.<proj>.bias` each."""
+    stem, _, suffix = hf.rpartition(".")
+    head, proj = stem.rsplit(".", 1)
+    if suffix == "bias" and len(t.shape) == 2:
+        for expert, bias in enumerate(gguf_tensor(f, t, dtype).unbind(0)):
+            yield f"{head}.{expert}.{proj}.bias", bias
+        return
     if len(t.shape) != 3:
         raise ValueError(f"{f.path}: expert tensor {t.name} has shape {tuple(t.shape)}; expected [experts, out, in]")
     experts, rows, cols = t.shape
-    head, proj = hf.removesuffix(".weight").rsplit(".", 1)
     raw = f.raw(t).view(experts, -1)
     for expert in range(experts):
         if keep_quantized and t.type in BLOCK_FORMATS:

@@ -87,14 +87,20 @@ def _gemma_gguf(config: ModelConfig, meta: Metadata, period: int) -> Switches:
     write; llama.cpp takes head_dim for it, and hidden / heads for the 27B models (known by their layer
     count), as their configs have it. The sliding layers' RoPE base: rope.freq_base_swa (Gemma 3: 10000
     if absent)."""
-    layers = config.num_hidden_layers
-    pattern = meta("attention.sliding_window_pattern", period)
-    flags = pattern if isinstance(pattern, list) else [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
-    big = layers == GEMMA_27B_LAYERS[config.architecture]
-    return {"sliding_layers": [i for i, sliding in enumerate(flags) if sliding],
+    big = config.num_hidden_layers == GEMMA_27B_LAYERS[config.architecture]
+    return {**_sliding_layers_gguf(config, meta, period),
             "query_scale": (config.hidden_size // config.num_attention_heads if big else config.head_dim) ** -0.5,
             "local_rope_theta": meta("rope.freq_base_swa", 10_000.0 if period == 6 else None),
             "embedding_scale": config.hidden_size ** 0.5}
+
+
+def _sliding_layers_gguf(config: ModelConfig, meta: Metadata, period: int) -> Switches:
+    """The sliding layers as llama.cpp reads them: the file's attention.sliding_window_pattern (a flag per
+    layer, or the period), else all but the last of every `period` layers."""
+    pattern = meta("attention.sliding_window_pattern", period)
+    flags = pattern if isinstance(pattern, list) else [
+        pattern == 0 or i % pattern < pattern - 1 for i in range(config.num_hidden_layers)]
+    return {"sliding_layers": [i for i, sliding in enumerate(flags) if sliding]}
 
 
 def _gemma2_gguf(config: ModelConfig, meta: Metadata) -> Switches:
@@ -214,7 +220,11 @@ FAMILIES = [
     Family("granite_moe", ("GraniteMoeForCausalLM",), "granitemoe", {"routing": "topk_softmax"},
            hf_switches=lambda cfg: {**_granite_hf(cfg), **_moe_hf(cfg)}, gguf_permuted_qk=True,
            hf_tensor_renames=_GRANITE_MOE_TENSORS),
+    # llama.cpp: even layers sliding; its YaRN truncates the ramp's ends (transformers' gpt-oss config does not).
     Family("gpt_oss", ("GptOssForCausalLM",), "gpt-oss", _GPT_OSS, hf_switches=_gpt_oss_hf,
+           gguf_switches=lambda config, meta: {**_sliding_layers_gguf(config, meta, 2),
+                                               "rope_scaling": {**config.rope_scaling, "truncate": True}},
+           gguf_tensor_names={"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"},
            hf_tensor_renames=((".mlp.router.", ".mlp.gate."),), hf_experts_transposed=True),
 ]
 _BY_HF = {arch: f for f in FAMILIES for arch in f.hf_architectures}
