@@ -147,14 +147,15 @@ class EngineConfig:
             raise ValueError("device='cuda' but no CUDA device is available")
         return torch.device(self.device)
 
-    def weight_quantization(self, is_gguf: bool) -> str:
-        """The quantization the weights load with: `quantization` with auto resolved (a GGUF file keeps
-        its quantization on the CPU, like llama.cpp; CUDA has no quantized kernels here: dequantize)."""
+    def weight_quantization(self, holds_blocks: bool) -> str:
+        """The quantization the weights load with: `quantization` with auto resolved (a checkpoint in
+        quantized blocks, a GGUF file or an MXFP4 directory (loader.holds_blocks), keeps them on the
+        CPU, like llama.cpp; CUDA has no quantized kernels here: dequantize)."""
         if self.quantization == "auto":
-            return "gguf" if is_gguf and self.torch_device.type == "cpu" else "none"
-        if self.quantization == "gguf" and not is_gguf:
-            raise ValueError("quantization='gguf' needs a GGUF file; this is a Hugging Face checkpoint "
-                             "(use int8 or int4 to quantize it at load)")
+            return "gguf" if holds_blocks and self.torch_device.type == "cpu" else "none"
+        if self.quantization == "gguf" and not holds_blocks:
+            raise ValueError("quantization='gguf' needs a GGUF file or an MXFP4 checkpoint; this is a float "
+                             "Hugging Face checkpoint (use int8 or int4 to quantize it at load)")
         return self.quantization
 
     @property

@@ -20,7 +20,7 @@ from minivllm.kv_tier.store import KVTier, make_kv_tier
 from minivllm.model.build import build_runner
 from minivllm.model.kernels import layer_ops
 from minivllm.model.kernels import report as kernels_report
-from minivllm.model.loader import resolve_model_path
+from minivllm.model.loader import holds_blocks, resolve_model_path
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.sampler import Sampler
 from minivllm.model.tokenizer import Tokenizer, get_tokenizer
@@ -70,4 +70,4 @@ def build_kv_tier(config: EngineConfig, path: Path, runner: Any, phases: dict[st
     if not config.kv_offloading:
         return None
     with timed(phases, "kv_tier"):
-        return make_kv_tier(config, path, config.weight_quantization(path.is_file()), runner)
+        return make_kv_tier(config, path, config.weight_quantization(holds_blocks(path)), runner)

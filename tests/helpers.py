@@ -392,7 +392,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", seed: i
 # Where each block format keeps its float16 scales (byte offsets in a block): what random bytes need
 # set to small finite values to be a valid block.
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+                 "MXFP4": ()}
 
 
 def encode_matrix(rng: np.random.Generator, rows: int, cols: int, kind: Any) -> np.ndarray:
@@ -417,6 +418,8 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: Any) -> 
     for at in SCALE_OFFSETS[kind.name]:
         scales = (rng.uniform(1e-4, 2e-3, (rows, cols // block)) * rng.choice([-1, 1], (rows, cols // block)))
         blocks[..., at:at + 2] = scales.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+    if kind.name == "MXFP4":  # its E8M0 exponent: 2^-14 .. 2^-8, about the scales above
+        blocks[..., 0] = rng.integers(114, 121, (rows, cols // block), dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 

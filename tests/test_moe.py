@@ -322,3 +322,84 @@ def test_what_does_not_fit_in_memory_is_refused_at_start(checkpoints: dict, tmp_
     with pytest.raises(ValueError, match=r"the KV pool \(64 blocks: --kv-cache-memory or --num-kv-blocks\) need "
                                          r"0\.8 MiB of memory, but 0\.5 MiB is available"):
         family_engine(path, num_kv_blocks=64)  # 64 blocks x 16 tokens x 3 layers x K and V x 2 heads x 16 x 4 B: 768 KiB
+
+
+# -- gpt-oss in MXFP4: its Hugging Face checkpoint's _blocks/_scales and llama.cpp's GGUF of it ---------------
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[experts, in, out] (transformers' x @ W) -> OpenAI's MXFP4 (blocks [experts, out, in / 32, 16], scales
+    [experts, out, in / 32]: 2^(scale - 127) times E2M1, weights 2j and 2j + 1 in byte j's low and high
+    nibbles) and the weights they hold, [experts, in, out]."""
+    x = w.transpose(1, 2).reshape(*w.shape[:1], w.shape[2], -1, 32)
+    exponent = torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True) / 6)).clamp(-20, 20)
+    y = x / torch.exp2(exponent)
+    index = (y.abs()[..., None] - E2M1).abs().argmin(-1)
+    codes = (index | ((y < 0).long() << 3)).to(torch.uint8)
+    held = torch.where(y < 0, -E2M1[index], E2M1[index]) * torch.exp2(exponent)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent[..., 0] + 127).to(torch.uint8), held.reshape(x.shape[:2] + (-1,)).transpose(1, 2)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, HFGreedy]]:
+    """"hf": a gpt-oss directory whose experts are MXFP4 blocks and scales, as OpenAI's checkpoints hold
+    them; "gguf": llama.cpp's converter's file of it (the blocks repacked, not requantized). Each with
+    transformers' greedy continuations on the weights the blocks hold. The config's YaRN truncated, as
+    llama.cpp computes it."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = tiny_config("gpt_oss")
+    config = type(config).from_dict({**config.to_dict(), **GGUF_WITHOUT["gpt_oss"]})
+    reference_dir, mxfp4_dir = tmp_path_factory.mktemp("gpt-oss-ref"), tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    model = save_tiny_model(config, reference_dir, tokenizer_dir)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    quantized = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales, held = _to_mxfp4(state[name])
+        assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32), held)  # transformers' reading
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        state[name] = held
+    model.load_state_dict(state)
+    model.save_pretrained(reference_dir)
+    shutil.copytree(reference_dir, mxfp4_dir, dirs_exist_ok=True)
+    weights = {n: t for n, t in load_file(reference_dir / "model.safetensors").items() if n + "_blocks" not in quantized}
+    save_file({**weights, **quantized}, mxfp4_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((mxfp4_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (mxfp4_dir / "config.json").write_text(json.dumps(cfg))
+    reference = HFGreedy(model)
+    convert_hf_many([(mxfp4_dir, mxfp4_dir / "model-mxfp4.gguf", "f32")])
+    return {"hf": (mxfp4_dir, reference), "gguf": (mxfp4_dir / "model-mxfp4.gguf", reference)}
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_mxfp4_experts(source: str, gpt_oss_mxfp4: dict) -> None:
+    """Decoded at load, float32 tokens equal transformers' on the weights the blocks hold; kept as blocks
+    (the default on the CPU), every expert runs the MXFP4 kernel within 1.05x of the file's bytes, and a
+    token's bf16 tokens are the same alone and in a crowd."""
+    path, reference = gpt_oss_mxfp4[source]
+    tokenizer = {"tokenizer": str(path.parent)} if source == "gguf" else {}
+    assert_family_matches(family_engine(path, quantization="none", **tokenizer), reference)
+    llm = family_engine(path, "bfloat16", **tokenizer)
+    moe = next(layer.mlp for layer in llm.engine.runner.model.layers if isinstance(layer.mlp, SparseMoE))
+    assert all(s.qtype == 39 for e in moe.experts for m in (e.gate_up_proj, e.down_proj) for s in m.quantized.segments)
+    assert llm.engine.runner.batch_invariant and llm.engine.runner.model.native_forward is not None
+    experts = [m.quantized for layer in llm.engine.runner.model.layers for m in layer.mlp.modules()
+               if getattr(m, "quantized", None) is not None]
+    expert_file_bytes = sum(t.numel() for n, t in _mxfp4_tensors(gpt_oss_mxfp4["hf"][0]).items())
+    assert sum(w.nbytes for w in experts) <= 1.05 * expert_file_bytes
+    prompts = family_prompts(llm)
+    alone = llm.generate([{"prompt_token_ids": prompts[1]}], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate([{"prompt_token_ids": p} for p in [prompts[0], prompts[1], prompts[1][:50]]], greedy(8),
+                         use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+
+
+def _mxfp4_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {n: t for n, t in load_file(directory / "model.safetensors").items() if n.endswith(("_blocks", "_scales"))}

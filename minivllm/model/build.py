@@ -23,7 +23,7 @@ import torch
 from minivllm.config import EngineConfig, parse_size
 from minivllm.model import weight_cache
 from minivllm.model.decoder import CausalLM
-from minivllm.model.loader import load_checkpoint, weight_bytes
+from minivllm.model.loader import holds_blocks, load_checkpoint, weight_bytes
 from minivllm.model.model_config import ModelConfig
 from minivllm.model.runner import ModelRunner, kv_bytes_per_block
 from minivllm.model.weights import model_from_state, model_from_weights, model_state
@@ -51,7 +51,7 @@ def build_runner(config: EngineConfig, path: Path, shard: Shard | None = None, d
     on `device` (the config's by default); `phases` gets the seconds of the weights and the KV pool."""
     device = device or config.torch_device
     dtype, phases = config.torch_dtype, {} if phases is None else phases
-    quantization = config.weight_quantization(path.is_file())  # a GGUF's blocks are cut as they are
+    quantization = config.weight_quantization(holds_blocks(path))  # blocks are cut as they are
     with timed(phases, "weights"):
         if shard is None:
             full, model = build_model(path, device, dtype, quantization)

@@ -9,8 +9,8 @@ serve them all:
     w = d * sc * (v - offset) - dmin * mn    the K-quants and IQ4_XS (sc, mn per sub-block of 16 or 32)
     w = d * (v - offset) + dmin              the 32-element formats (dmin is Q4_1's and Q5_1's m)
 
-with v the stored integer u, or for the IQ4 formats the non-uniform table's value at index u, shifted
-to be unsigned (`IQ4_VALUES` + 128). The float decoder computes it with the gguf package's float32
+with v the stored integer u, or for the IQ4 formats and MXFP4 their table's value at index u, shifted
+to be unsigned (`IQ4_VALUES` or `MXFP4_VALUES`, + 128). The float decoder computes it with the gguf package's float32
 operations in its order, so that its results are bit-identical to `gguf.quants.dequantize`; it runs
 in chunks on threads, written straight into the output, so that no full float32 copy of a
 tensor exists when the model wants another dtype.
@@ -31,13 +31,15 @@ QK_K = 256  # elements per super-block of the K-quants and IQ4_XS
 CHUNK_ELEMENTS = 1 << 15
 # IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's kvalues_iq4nl), int8.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4's (gpt-oss) 16 levels: E2M1's values doubled (ggml's kvalues_mxfp4), the scale halved to match.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 @dataclass
 class Ints:
     """Blocks split: the integers in element order and the scales that make them weights (see above)."""
-    u: torch.Tensor  # uint8 [n, block_size]: the stored integers (IQ4: indices into IQ4_VALUES)
-    d: torch.Tensor  # float32 [n, 1], float16 values: the block's or super-block's scale
+    u: torch.Tensor  # uint8 [n, block_size]: the stored integers (IQ4, MXFP4: indices into the format's table)
+    d: torch.Tensor  # float32 [n, 1], float16 values (MXFP4: powers of 2): the block's or super-block's scale
     dmin: torch.Tensor | None = None  # float32 [n, 1], float16 values: the super-block's min scale, or m
     sc: torch.Tensor | None = None  # int16 [n, groups]: sub-block scales (signed where the format's are)
     mn: torch.Tensor | None = None  # int16 [n, groups]: sub-block mins
@@ -52,10 +54,11 @@ class BlockFormat:
     bits: int  # of the integers u: 2, 3, 4, 5, 6 or 8
     group: int  # elements per scale: the block (32) or a K-quant's sub-block (16 or 32)
     offset: int = 0  # subtracted from v: what makes unsigned integers signed weights
-    lut: bool = False  # v = IQ4_VALUES[u] + 128
+    lut: tuple[int, ...] | None = None  # v = lut[u] + 128: IQ4_VALUES or MXFP4_VALUES
     has_min: bool = False  # a float16 dmin: Q4_1's and Q5_1's m, or a K-quant's min scale
     sub_scales: str | None = None  # K-quants: "u8" (6-bit scale and min), "i8" (signed scale),
     # "nibbles" (Q2_K: a 4-bit scale and min in one byte)
+    e8m0: bool = False  # MXFP4: d is a power of 2 stored as its exponent byte e, d = 2^(e - 128)
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -120,6 +123,15 @@ def _iq4_nl(b: torch.Tensor) -> Ints:
     return Ints(_nibbles(b[:, 2:]), _f16(b, 0))
 
 
+def e8m0_scale(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's exponent bytes as its scales, float32 2^(e - 128) (exact: 2^-128 is a float32 subnormal)."""
+    return torch.ldexp(torch.ones(e.shape), e.to(torch.int32) - 128)
+
+
+def _mxfp4(b: torch.Tensor) -> Ints:  # e (E8M0), qs[16]: d = 2^(e - 128), half the exponent's scale
+    return Ints(_nibbles(b[:, 1:]), e8m0_scale(b[:, :1]))
+
+
 def _q2_k(b: torch.Tensor) -> Ints:  # scales[16] (scale | min << 4), qs[64], d, dmin
     scales = b[:, :16].to(torch.int16)
     return Ints(_crumbs(b[:, 16:80]), _f16(b, 80), _f16(b, 82), scales & 0x0F, scales >> 4)
@@ -171,7 +183,7 @@ def _iq4_xs(b: torch.Tensor) -> Ints:  # d, scales_h (uint16), scales_l[4], qs[1
 
 
 # ggml's type ids (GGMLQuantizationType) -> traits. Every format llama.cpp's quantizer writes into the
-# common files; the others (IQ1-IQ3, TQ, MXFP4, ...) are refused at load (gguf_reader.py).
+# common files, and gpt-oss's MXFP4; the others (IQ1-IQ3, TQ, ...) are refused at load (gguf_reader.py).
 BLOCK_FORMATS = {
     2: BlockFormat("Q4_0", 32, 18, _q4_0, 4, 32, offset=8),
     3: BlockFormat("Q4_1", 32, 20, _q4_1, 4, 32, has_min=True),
@@ -183,8 +195,9 @@ BLOCK_FORMATS = {
     12: BlockFormat("Q4_K", QK_K, 144, _q4_k, 4, 32, sub_scales="u8", has_min=True),
     13: BlockFormat("Q5_K", QK_K, 176, _q5_k, 5, 32, sub_scales="u8", has_min=True),
     14: BlockFormat("Q6_K", QK_K, 210, _q6_k, 6, 16, offset=32, sub_scales="i8"),
-    20: BlockFormat("IQ4_NL", 32, 18, _iq4_nl, 4, 32, offset=128, lut=True),
-    23: BlockFormat("IQ4_XS", QK_K, 136, _iq4_xs, 4, 32, offset=128, lut=True, sub_scales="i8"),
+    20: BlockFormat("IQ4_NL", 32, 18, _iq4_nl, 4, 32, offset=128, lut=IQ4_VALUES),
+    23: BlockFormat("IQ4_XS", QK_K, 136, _iq4_xs, 4, 32, offset=128, lut=IQ4_VALUES, sub_scales="i8"),
+    39: BlockFormat("MXFP4", 32, 17, _mxfp4, 4, 32, offset=128, lut=MXFP4_VALUES, e8m0=True),
 }
 # Plain floats: the file's bytes are the tensor, read in place (converted only if the dtype differs).
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
@@ -218,10 +231,10 @@ def type_size(qtype: int) -> tuple[int, int]:
 
 
 def values(fmt: BlockFormat, u: torch.Tensor) -> torch.Tensor:
-    """v: the integers the scales multiply, unsigned (the IQ4 formats' table, shifted by 128)."""
-    if not fmt.lut:
+    """v: the integers the scales multiply, unsigned (the IQ4 formats' and MXFP4's table, shifted by 128)."""
+    if fmt.lut is None:
         return u
-    table = (torch.tensor(IQ4_VALUES, dtype=torch.int16) + 128).to(torch.uint8).to(u.device)
+    table = (torch.tensor(fmt.lut, dtype=torch.int16) + 128).to(torch.uint8).to(u.device)
     return table[u.long()]
 
 

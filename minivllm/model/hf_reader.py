@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from minivllm.model.model_config import ModelConfig
+from minivllm.model.quant import MXFP4, QuantizedTensor
 from minivllm.model.registry import Family, Switches, family, hf_family, rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,12 @@ def _hf_weights(path: Path, dtype: torch.dtype | None, fam: Family) -> Iterator[
         # safetensors maps the file (privately) and hands out views of it.
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if name.endswith("_scales"):  # read with its _blocks
+                    continue
                 tensor = f.get_tensor(name)
+                if name.endswith("_blocks"):
+                    yield from _mxfp4_experts(name, tensor, _partner(f, name, file))
+                    continue
                 if fam.hf_norm_offset and name.endswith("norm.weight"):  # in float32, as transformers adds it
                     tensor = tensor.float() + fam.hf_norm_offset
                 prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
@@ -94,6 +100,32 @@ def _hf_weights(path: Path, dtype: torch.dtype | None, fam: Family) -> Iterator[
                 split = _per_expert_transposed if fam.hf_experts_transposed else _per_expert
                 for name, tensor in split(name, tensor):
                     yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _partner(f, name: str, file: Path) -> torch.Tensor:
+    scales = name.removesuffix("_blocks") + "_scales"
+    if scales not in f.keys():
+        raise ValueError(f"{file}: {name} has no {scales} beside it (an MXFP4 tensor is blocks and scales)")
+    return f.get_tensor(scales)
+
+
+def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> Iterator[tuple[str, QuantizedTensor]]:
+    """gpt-oss's MXFP4 experts (`..._blocks` uint8 [experts, out, in / 32, 16], `..._scales` uint8 [experts,
+    out, in / 32]: byte j of a block holds its weights 2j and 2j + 1) as ggml's 17-byte MXFP4 blocks
+    (the scale byte, then byte j holding weights j and j + 16), one matrix per expert; gate_up's rows
+    interleaved, even ones the gate's. The same bits: both read the nibbles through E2M1's table."""
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:3]):
+        raise ValueError(f"MXFP4 tensor {name} has shape {tuple(blocks.shape)} with scales {tuple(scales.shape)}; "
+                         f"expected [experts, out, in / 32, 16] and [experts, out, in / 32]")
+    values = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # the 32 nibbles in weight order
+    ggml = torch.cat((scales[..., None], values[..., :16] | (values[..., 16:] << 4)), dim=-1).flatten(-2)
+    head, _, proj = name.removesuffix("_blocks").rpartition(".")
+    for expert, rows in enumerate(ggml.unbind(0)):
+        if proj == "down_proj":
+            yield f"{head}.{expert}.down_proj.weight", QuantizedTensor(rows.contiguous(), MXFP4)
+        else:
+            yield f"{head}.{expert}.gate_proj.weight", QuantizedTensor(rows[0::2].contiguous(), MXFP4)
+            yield f"{head}.{expert}.up_proj.weight", QuantizedTensor(rows[1::2].contiguous(), MXFP4)
 
 
 _STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # [experts, out, in], gate rows before up rows

@@ -98,10 +98,20 @@ def load_checkpoint(path: Path, dtype: torch.dtype | None = None, keep_quantized
     iterator reaches it, in place from the memory-mapped file where its layout and dtype allow
     (the mapping is private: nothing is ever written back). `dtype`: convert to it as they are read
     (GGUF blocks are decoded straight into it); None keeps the file's dtype (float32 for GGUF).
-    `keep_quantized`: a GGUF file's quantized matrices come as QuantizedTensor, not decoded."""
+    `keep_quantized`: a GGUF file's quantized matrices come as QuantizedTensor, not decoded (an MXFP4
+    checkpoint's experts always do: weights.py decodes them where they are not kept)."""
     if path.is_dir():
         return read_hf_checkpoint(path, dtype)
     return read_gguf_checkpoint(path, dtype, keep_quantized)
+
+
+def holds_blocks(path: Path) -> bool:
+    """Whether the checkpoint's weights come in quantized blocks that the CPU kernels run as they are: a
+    GGUF file, or a Hugging Face directory in MXFP4 (gpt-oss's experts)."""
+    if path.is_file():
+        return True
+    config = json.loads((path / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
 def weight_bytes(path: Path, dtype: torch.dtype, quantization: str) -> int:
@@ -121,7 +131,11 @@ def weight_bytes(path: Path, dtype: torch.dtype, quantization: str) -> int:
     for file in path.glob("*.safetensors"):
         with open(file, "rb") as f:  # safetensors: an 8-byte length, then a JSON header of every tensor
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        total += sum(size(tuple(t["shape"])) for name, t in header.items() if name != "__metadata__")
+        for name, t in header.items():
+            if name.endswith("_blocks"):  # MXFP4: 16 bytes of 32 weights, and a scale byte in `_scales`
+                total += math.prod(t["shape"]) * 17 / 16 if quantization == "gguf" else size((2 * math.prod(t["shape"]), 1))
+            elif name != "__metadata__" and not name.endswith("_scales"):
+                total += size(tuple(t["shape"]))
     return int(total)
 
 

@@ -17,7 +17,7 @@ The packed layout, per panel of 16 output columns (rows of the weight), per supe
     2 bits   128 bytes: byte t * 64 + c * 4 + j holds groups t, t + 2, t + 4, t + 6 (bits 0, 2, 4, 6)
   then the bits above those (5-bit formats and Q3_K: 64 bytes, bit g of byte c * 4 + j is group g's;
   Q6_K: 128 bytes of 2-bit fields as above);
-  then the scales: 16 float16 d, 16 float16 dmin (formats with a min), and per sub-block 16 bytes of
+  then the scales: 16 float16 d (MXFP4: 16 exponent bytes, as the file has them), 16 float16 dmin (formats with a min), and per sub-block 16 bytes of
   integer scales (K-quants, IQ4_XS), then 16 of integer mins (Q4_K, Q5_K; Q2_K keeps scale | min << 4).
 Each format's rule (gguf_quants.py) makes a weight of these: w = d * v + m per group of 16 or 32 k,
 with d = d * sc and m = -(dmin * mn), m = dmin, or m = -offset * d (exact: every offset is a power of 2).
@@ -35,12 +35,13 @@ from typing import Any
 
 import torch
 
-from minivllm.model.gguf_quants import BLOCK_FORMATS, BlockFormat, Ints, dequantize, in_parallel, values
+from minivllm.model.gguf_quants import BLOCK_FORMATS, BlockFormat, Ints, dequantize, e8m0_scale, in_parallel, values
 
 GROUP = 32  # k per activation block (and per 32-k block of every layout)
 PANEL = 16  # csrc/quant_gemm.c: output columns per packed panel
 PACK_ROWS = 1024  # rows packed per task (a multiple of PANEL)
 Q8_0, Q4_1 = 8, 3  # `--quantization int8` and `int4`: the ggml formats a float weight is quantized into
+MXFP4 = 39  # gpt-oss's experts, from a GGUF file or the checkpoint's _blocks and _scales (hf_reader.py)
 _PLANE_BITS = {2: (2, 0), 3: (2, 1), 4: (4, 0), 5: (4, 1), 6: (4, 2), 8: (8, 0)}  # bits -> (low, high) planes
 
 
@@ -133,7 +134,7 @@ def scale_bytes(fmt: BlockFormat) -> int:
     """Bytes of one super-block's scales in a panel."""
     groups = superblock(fmt) // fmt.group if fmt.sub_scales else 0
     mins = fmt.sub_scales == "u8"
-    return 2 * PANEL * (1 + fmt.has_min) + groups * PANEL * (1 + mins)
+    return PANEL * (1 if fmt.e8m0 else 2) + 2 * PANEL * fmt.has_min + groups * PANEL * (1 + mins)
 
 
 def superblock_bytes(fmt: BlockFormat) -> int:
@@ -174,7 +175,8 @@ def _pack_panels(fmt: BlockFormat, t: QuantizedTensor) -> torch.Tensor:
         x = x.reshape(panels, PANEL, sbs, -1).permute(0, 2, 3, 1).contiguous()
         return x.view(torch.uint8).reshape(panels, sbs, -1)
 
-    parts.append(per_column(ints.d.half()))
+    # MXFP4's exponent byte back from its power of 2 (frexp: 2^(e - 128) = 0.5 * 2^(e - 127))
+    parts.append(per_column((torch.frexp(ints.d).exponent + 127).to(torch.uint8) if fmt.e8m0 else ints.d.half()))
     if fmt.has_min:
         parts.append(per_column(ints.dmin.half()))
     if fmt.sub_scales == "nibbles":
@@ -222,7 +224,9 @@ def unpack(packed: torch.Tensor, fmt: BlockFormat, n: int, k: int) -> tuple[torc
         x = scales[:, :, start:start + size].contiguous().view(dtype).view(panels, sbs, width, PANEL)
         return x.permute(0, 3, 1, 2).reshape(panels * PANEL, sbs * width)[:n].float(), start + size
 
-    d, at = per_column(0, 1, torch.float16)
+    d, at = per_column(0, 1, torch.uint8 if fmt.e8m0 else torch.float16)
+    if fmt.e8m0:
+        d = e8m0_scale(d)
     dmin, at = per_column(at, 1, torch.float16) if fmt.has_min else (None, at)
     groups = superblock(fmt) // fmt.group
     if not fmt.sub_scales:
@@ -273,21 +277,27 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def linear_twin(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, n: int,
                 bias: torch.Tensor | None = None, chunk_panels: int = 256) -> torch.Tensor:
     """The quantized linear in torch: each group's dot product of x8 and v (exact integers in float32),
-    scaled by d * dx, plus m * dx * sum(x8). Sums are ordered differently from the kernel's, so results
+    scaled by d * dx, plus m * dx * sum(x8) where the format has a min (else the zero point is in the
+    integer sums, as the kernel has it). Sums are ordered differently from the kernel's, so results
     agree to float32 rounding, not bit for bit."""
     k = x.shape[1]
     x8, dx = quantize_activations(x)
     group = fmt.group
     x8 = x8.view(x.shape[0], -1, group)  # [rows, groups, group]
     dx = dx.repeat_interleave(GROUP // group, dim=1)  # [rows, groups, 1]
-    sx = x8.sum(dim=2) * dx[..., 0]  # [rows, groups]
+    sx = x8.sum(dim=2) * dx[..., 0] if fmt.has_min else None  # [rows, groups]
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     for p0 in range(0, packed.shape[0], chunk_panels):  # bounded memory for a large LM head
         n0 = p0 * PANEL
         rows = min(chunk_panels * PANEL, n - n0)
         v, d, m = unpack(packed[p0:p0 + chunk_panels], fmt, rows, k)
-        isum = torch.einsum("rgk,ngk->rng", x8, v.view(rows, -1, group).float())
-        out[:, n0:n0 + rows] = (isum * (d[None] * dx[:, None, :, 0])).sum(-1) + sx @ m.T
+        if fmt.has_min:
+            isum = torch.einsum("rgk,ngk->rng", x8, v.view(rows, -1, group).float())
+            out[:, n0:n0 + rows] = (isum * (d[None] * dx[:, None, :, 0])).sum(-1) + sx @ m.T
+        else:  # m = -offset * d: the zero point inside the integer sums, as the kernel folds it (exact)
+            signed = (v.to(torch.int16) - fmt.offset).view(rows, -1, group).float()
+            isum = torch.einsum("rgk,ngk->rng", x8, signed)
+            out[:, n0:n0 + rows] = (isum * (d[None] * dx[:, None, :, 0])).sum(-1)
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)

@@ -1,7 +1,7 @@
 /* Linear layers on quantized weights, out = x @ W^T (+ bias), for any number of rows, batch-invariant.
  *
  * The weights stay in their GGUF block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
- * IQ4_NL, IQ4_XS; `--quantization int8|int4` makes Q8_0|Q4_1), packed at load (quant.py) into panels of
+ * IQ4_NL, IQ4_XS, MXFP4; `--quantization int8|int4` makes Q8_0|Q4_1), packed at load (quant.py) into panels of
  * 16 output columns that keep each format's bits: a decode step streams no more bytes than the file
  * holds. quant.py's docstring draws the layout; each format makes its weights as w = d * v + m per group
  * of 16 or 32 k, from unsigned integers v in bit planes and its own scales.
@@ -49,7 +49,7 @@ typedef struct {
     int bits;        /* of the integers: 2, 3, 4, 5, 6 or 8 */
     int group;       /* k per scale: 16 or 32 */
     int offset;      /* m = -offset * d where the format has no min */
-    int lut;         /* IQ4: v = the non-uniform table's value + 128 */
+    int lut;         /* v = a table's value + 128: 1 IQ4's non-uniform levels, 2 MXFP4's */
     int has_min;     /* a float16 min (Q4_1, Q5_1) or min scale (Q2_K, Q4_K, Q5_K) */
     int sub_scales;  /* 0: none; 1: u8 scales and u8 mins (Q4_K, Q5_K); 2: i8 scales; 3: Q2_K's nibbles */
 } Format;
@@ -67,6 +67,7 @@ static inline Format format_of(int qtype) {
         case 13: return (Format){256, 5, 32, 0, 0, 1, 1};    /* Q5_K */
         case 14: return (Format){256, 6, 16, 32, 0, 0, 2};   /* Q6_K */
         case 20: return (Format){32, 4, 32, 128, 1, 0, 0};   /* IQ4_NL */
+        case 39: return (Format){32, 4, 32, 128, 2, 0, 0};   /* MXFP4 (its scale an exponent byte) */
         default: return (Format){256, 4, 32, 128, 1, 0, 2};  /* 23: IQ4_XS */
     }
 }
@@ -75,7 +76,7 @@ static inline int low_bits(int bits) { return bits == 8 ? 8 : bits >= 4 ? 4 : 2;
 static inline int plane_bytes(const Format *f) { return 16 * 32 * f->bits / 8; }
 static inline int scale_bytes(const Format *f) {
     const int groups = f->sub_scales ? f->sb / f->group : 0;
-    return 32 * (1 + f->has_min) + groups * 16 * (1 + (f->sub_scales == 1));
+    return (f->lut == 2 ? 16 : 32) + 32 * f->has_min + groups * 16 * (1 + (f->sub_scales == 1));
 }
 static inline int64_t superblock_bytes(const Format *f) { return (int64_t)(f->sb / 32) * plane_bytes(f) + scale_bytes(f); }
 
@@ -241,6 +242,19 @@ static inline __attribute__((always_inline)) void plane_fields(const uint8_t *p,
 
 /* IQ4_VALUES + 128, for a byte lookup. */
 static const uint8_t IQ4_TABLE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+/* MXFP4_VALUES + 128: E2M1 doubled. */
+static const uint8_t MXFP4_TABLE[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
+
+/* MXFP4's scales of LANES columns from their exponent bytes: 2^(e - 128), float32's bits built directly
+ * (e < 2 gives a subnormal). */
+static inline vec vec_from_e8m0(const uint8_t *e) {
+    float d[LANES];
+    for (int c = 0; c < LANES; c++) {
+        const uint32_t bits = e[c] >= 2 ? (uint32_t)(e[c] - 1) << 23 : 0x00200000u << e[c];
+        memcpy(&d[c], &bits, sizeof bits);
+    }
+    return vec_load(d);
+}
 
 /* Block b (0 .. sb / 32 - 1) of super-block `src` of one panel -> its u bytes w[8] (groups of 4 k) and per
  * sub (1 or 2) its d and m, in registers. Every scale is exact in float32 (a float16 times a small integer,
@@ -269,11 +283,11 @@ static inline __attribute__((always_inline)) void decode_regs(const Format f, co
     }
     if (f.lut)
         for (int g = 0; g < 8; g++)
-            for (int i = 0; i < QV; i++) w[g].v[i] = ivec_lut8(IQ4_TABLE, w[g].v[i]);
+            for (int i = 0; i < QV; i++) w[g].v[i] = ivec_lut8(f.lut == 2 ? MXFP4_TABLE : IQ4_TABLE, w[g].v[i]);
     const uint8_t *scales = src + (f.sb / 32) * plane_bytes(&f);
     pfloats d0, dmin;
     for (int i = 0; i < QV; i++) {
-        d0.v[i] = vec_from_half(scales + 2 * LANES * i);
+        d0.v[i] = f.lut == 2 ? vec_from_e8m0(scales + LANES * i) : vec_from_half(scales + 2 * LANES * i);
         dmin.v[i] = f.has_min ? vec_from_half(scales + 32 + 2 * LANES * i) : d0.v[i];
     }
     const uint8_t *subs = scales + 32 * (1 + f.has_min);
@@ -356,6 +370,7 @@ static void decode_any(int qtype, const uint8_t *panel, int64_t kb, int nb, uint
 #define DECODE_CASE(Q) case Q: decode_chunk(format_of(Q), panel, kb, nb, out); break;
         DECODE_CASE(2) DECODE_CASE(3) DECODE_CASE(6) DECODE_CASE(7) DECODE_CASE(8) DECODE_CASE(10)
         DECODE_CASE(11) DECODE_CASE(12) DECODE_CASE(13) DECODE_CASE(14) DECODE_CASE(20) DECODE_CASE(23)
+        DECODE_CASE(39)
 #undef DECODE_CASE
     }
 }
@@ -517,7 +532,7 @@ static void row_any(int qtype, const int8_t *x8, const RowBlock *meta, int64_t K
 #define ROW_CASE(Q) case Q: if (QPAIRS && np == 2) row_fused(format_of(Q), x8, meta, K, panel, panel_bytes, 2, acc); \
                             else row_fused(format_of(Q), x8, meta, K, panel, panel_bytes, 1, acc); break;
         ROW_CASE(2) ROW_CASE(3) ROW_CASE(6) ROW_CASE(7) ROW_CASE(8) ROW_CASE(10)
-        ROW_CASE(11) ROW_CASE(12) ROW_CASE(13) ROW_CASE(14) ROW_CASE(20) ROW_CASE(23)
+        ROW_CASE(11) ROW_CASE(12) ROW_CASE(13) ROW_CASE(14) ROW_CASE(20) ROW_CASE(23) ROW_CASE(39)
 #undef ROW_CASE
     }
 }
