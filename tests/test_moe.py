@@ -403,3 +403,26 @@ def _mxfp4_tensors(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return {n: t for n, t in load_file(directory / "model.safetensors").items() if n.endswith(("_blocks", "_scales"))}
+
+
+def test_bad_mxfp4_tensors_are_refused_naming_them(gpt_oss_mxfp4: dict, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    source = gpt_oss_mxfp4["hf"][0]
+    name = "model.layers.1.mlp.experts.down_proj"
+    for label, edit, message in [
+            ("lost", lambda w: w.pop(f"{name}_scales"), rf"{name}_blocks has no {name}_scales beside it"),
+            ("cut", lambda w: w.update({f"{name}_blocks": w[f"{name}_blocks"][..., :8].contiguous()}),
+             rf"MXFP4 tensor {name}_blocks has shape \(4, 64, 1, 8\)")]:
+        copy = _edited_copy(source, tmp_path / label)
+        weights = _all_tensors(source)
+        edit(weights)
+        save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=message):
+            family_engine(copy)
+
+
+def _all_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")

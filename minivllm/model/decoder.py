@@ -6,7 +6,8 @@ fuses them as it loads the checkpoint): fewer, larger GEMMs. A family is a set o
 (model_config.py), read here where they apply: q/k norms, the rotary table of each layer (global,
 Gemma 3's local one, or none for SmolLM3's NoPE layers), partial rotary, sliding windows and
 softcaps, Gemma's four norms per layer and GeGLU, Granite's multipliers, OLMoE's norms over the whole
-q and k projections, and a mixture of experts in place of a layer's MLP (SparseMoE, moe.py). Norm
+q and k projections, gpt-oss's attention sinks, YaRN and clamped SwiGLU, and a mixture of experts in
+place of a layer's MLP (SparseMoE, moe.py). Norm
 weights always multiply as x * w: a Gemma checkpoint's x * (1 + w) gets its 1 added as it is read
 (hf_reader.py), as llama.cpp's converter does.
 """
@@ -287,8 +288,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        ops = self.ops.act_and_mul if self.ops is not None else act_and_mul
-        return self.down_proj(ops(gate_up, self.act))
+        activation = self.ops.act_and_mul if self.ops is not None else act_and_mul
+        return self.down_proj(activation(gate_up, self.act))
 
 
 class SparseMoE(nn.Module):
@@ -413,7 +414,7 @@ class CausalLM(nn.Module):
                 module.use_native(enabled, device, dtype)
             elif isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
-            if isinstance(module, Attention) and module.sinks is not None:
+            if isinstance(module, Attention) and module.sinks is not None:  # every path reads them in float32
                 module.sink_logits = module.sinks.detach().float().contiguous()
         experts = moe_kernel(device, dtype) if enabled else None
         for module in self.modules():
