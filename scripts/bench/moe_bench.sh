@@ -19,6 +19,7 @@ for i in 1 2; do
     --output-json "$OUT/$name-b1-512-$i.json"
   run "$LLAMA/llama-bench" -m "$M" -t 2 -p 512 -n 128 -r 2
 done
+run "$LLAMA/llama-bench" -m "$M" -t 2 -p 0 -n 128 -d 512 -r 2  # decode at minivllm's depth
 run $MV bench latency --model "$M" --batch-size 1 --input-len 4095 --output-len 1 --num-iters 1 \
   --num-iters-warmup 1 --output-json "$OUT/$name-prefill-4095.json"
 run "$LLAMA/llama-bench" -m "$M" -t 2 -p 4096 -n 0 -r 1
