@@ -17,10 +17,7 @@
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)  # before the cd below: servers.sh lies beside this script
 OUT=${OUT:-$PWD/runs/core_bench_out}
-source "$HERE/servers.sh"  # REPO (cd there), PY, MV, M05; log, wait_healthy, stop_server
-PEERS=$HOME/.cache/minivllm-peers
-VLLM_PY=$PEERS/vllm/bin/python
-VLLM_ENV="OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2"
+source "$HERE/servers.sh"  # REPO (cd there), PY, MV, M05, VLLM_PY; log, wait_healthy, stop_server, start_vllm, hf_checkpoint_05b
 IDLE_S=60
 VLLM_PROMPTS=${VLLM_PROMPTS:-200}  # requests of the saturated vLLM comparison (SKIP_RATE70=1: no Poisson run)
 pid=""
@@ -28,14 +25,6 @@ pid=""
 start_minivllm() {  # name port args...
   local name=$1 port=$2; shift 2
   $MV serve --port "$port" "$@" > "$OUT/$name.log" 2>&1 &
-  pid=$!
-  wait_healthy "http://127.0.0.1:$port" "$name"
-}
-
-start_vllm() {  # name port checkpoint
-  local name=$1 port=$2 ckpt=$3
-  env $VLLM_ENV "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$ckpt" --dtype bfloat16 \
-    --max-model-len 8192 --port "$port" > "$OUT/$name.log" 2>&1 &
   pid=$!
   wait_healthy "http://127.0.0.1:$port" "$name"
 }
@@ -83,26 +72,6 @@ latency_b12() {  # name model-args...: the engine's decode rate at batch 12, off
   $MV bench latency --batch-size 12 --input-len 64 --output-len 256 "$@" --output-json "$OUT/$name.json" \
     > "$OUT/$name.txt" 2>&1
   log "$name: $(grep -E 'Decode step:|Whole batch:' "$OUT/$name.txt" | tr '\n' ';')"
-}
-
-hf_checkpoint_05b() {  # the 0.5B GGUF's weights as an HF checkpoint vLLM loads (dequantized, like setup_vllm_cpu.sh)
-  local ckpt=$PEERS/qwen2.5-coder-0.5b-hf
-  if [ ! -f "$ckpt/model.safetensors" ]; then
-    "$VLLM_PY" - "$M05" "$ckpt" >&2 <<'PY'
-import os, sys, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-path, out = sys.argv[1], sys.argv[2]
-d, name = os.path.dirname(path), os.path.basename(path)
-tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-model.hf_quantizer = None
-if hasattr(model.config, "quantization_config"):
-    del model.config.quantization_config
-model.save_pretrained(out, safe_serialization=True)
-tok.save_pretrained(out)
-PY
-  fi
-  echo "$ckpt"
 }
 
 run_model() {  # tag model-args...
