@@ -2,7 +2,9 @@
 transformers creates from the family's own config class (helpers.tiny_config): 2 of 4 experts per
 token over 3 layers; Qwen3-MoE renormalizes the top-k weights and has a dense layer between sparse
 ones, OLMoE does not renormalize and norms q and k over the whole projection with clip_qkv, Qwen2-MoE
-has its gated shared expert, Mixtral a sliding window, Granite-MoE its multipliers and top-k softmax.
+has its gated shared expert, Mixtral a sliding window, Granite-MoE its multipliers and top-k softmax,
+gpt-oss its sinks, biases, YaRN, alternating sliding layers and clamped SwiGLU (and its experts in MXFP4,
+from the checkpoint's blocks and from llama.cpp's GGUF of them).
 
 For each: float32 greedy tokens equal transformers', from the HF directory and from llama.cpp's GGUF
 (float32; and Q8_0 with its expert blocks kept, against transformers reading the same file, for the

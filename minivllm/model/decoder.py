@@ -163,7 +163,8 @@ def _yarn_inv_freq(base_powers: torch.Tensor, scaling: dict, dim: int, theta: fl
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+    span = high - low if high > low else 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / span).clamp(0, 1)
     return 1.0 / (factor * base_powers) * ramp + 1.0 / base_powers * (1 - ramp)
 
 

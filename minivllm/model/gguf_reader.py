@@ -109,7 +109,8 @@ def _gguf_rope_scaling(f: GGUFFile, meta, tensors: dict[str, GGUFTensorInfo]) ->
     if meta("rope.scaling.type") == "yarn":
         return {"rope_type": "yarn", "factor": meta("rope.scaling.factor"),
                 "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
-                "beta_fast": meta("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": meta("rope.scaling.yarn_beta_slow", 1.0),
+                "beta_fast": meta("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": meta("rope.scaling.yarn_beta_slow", 1.0),
                 "attention_factor": meta("rope.scaling.yarn_attn_factor")}
     # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-frequency divisors, not as metadata,
     # and longrope's (Phi-3) as two such tensors, with its attention factor as metadata.

@@ -133,7 +133,8 @@ def weight_bytes(path: Path, dtype: torch.dtype, quantization: str) -> int:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
         for name, t in header.items():
             if name.endswith("_blocks"):  # MXFP4: 16 bytes of 32 weights, and a scale byte in `_scales`
-                total += math.prod(t["shape"]) * 17 / 16 if quantization == "gguf" else size((2 * math.prod(t["shape"]), 1))
+                nbytes = math.prod(t["shape"])
+                total += nbytes * 17 / 16 if quantization == "gguf" else size((2 * nbytes, 1))
             elif name != "__metadata__" and not name.endswith("_scales"):
                 total += size(tuple(t["shape"]))
     return int(total)

@@ -17,8 +17,9 @@ The packed layout, per panel of 16 output columns (rows of the weight), per supe
     2 bits   128 bytes: byte t * 64 + c * 4 + j holds groups t, t + 2, t + 4, t + 6 (bits 0, 2, 4, 6)
   then the bits above those (5-bit formats and Q3_K: 64 bytes, bit g of byte c * 4 + j is group g's;
   Q6_K: 128 bytes of 2-bit fields as above);
-  then the scales: 16 float16 d (MXFP4: 16 exponent bytes, as the file has them), 16 float16 dmin (formats with a min), and per sub-block 16 bytes of
-  integer scales (K-quants, IQ4_XS), then 16 of integer mins (Q4_K, Q5_K; Q2_K keeps scale | min << 4).
+  then the scales: 16 float16 d (MXFP4: 16 exponent bytes, as the file has them), 16 float16 dmin (formats
+  with a min), and per sub-block 16 bytes of integer scales (K-quants, IQ4_XS), then 16 of integer mins
+  (Q4_K, Q5_K; Q2_K keeps scale | min << 4).
 Each format's rule (gguf_quants.py) makes a weight of these: w = d * v + m per group of 16 or 32 k,
 with d = d * sc and m = -(dmin * mn), m = dmin, or m = -offset * d (exact: every offset is a power of 2).
 
