@@ -29,7 +29,7 @@ typedef void attention_fn(const void *q, int64_t q_stride, const void *k_cache, 
                           const float *k_scale, const float *v_scale, const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *span_starts, const int64_t *span_lens, const int64_t *span_ctx0,
                           int64_t spans, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                          float scale, int64_t window, float softcap, void *out);
+                          float scale, int64_t window, float softcap, const float *sinks, void *out);
 attention_fn paged_attention_f32, paged_attention_bf16;
 typedef void rms_fn(const void *delta, void *residual, const void *weight, void *out, int64_t tokens, int64_t hidden,
                     float eps);
@@ -120,14 +120,14 @@ static int check_attention(const Case *c, void *out, int *same_as_x86) {
     attention_fn *fn = c->bf16 ? paged_attention_bf16 : paged_attention_f32;
     memset(out, 0, (size_t)(T * row));
     fn(c->a[0], heads * head_dim, c->a[1], c->a[2], NULL, NULL, tables, max_blocks, starts, lens, ctx0, spans,
-       heads, kv_heads, head_dim, block_size, c->f[2], 0, 0.f, out);
+       heads, kv_heads, head_dim, block_size, c->f[2], 0, 0.f, NULL, out);
     int invariant = 1;
     char *alone = malloc((size_t)row);
     for (int64_t s = 0; s < spans; s++)
         for (int64_t i = 0; i < lens[s]; i++) {
             const int64_t r = starts[s] + i, zero = 0, one = 1, ctx = ctx0[s] + i;
             fn((const char *)c->a[0] + r * row, heads * head_dim, c->a[1], c->a[2], NULL, NULL, tables + s * max_blocks,
-               max_blocks, &zero, &one, &ctx, 1, heads, kv_heads, head_dim, block_size, c->f[2], 0, 0.f, alone);
+               max_blocks, &zero, &one, &ctx, 1, heads, kv_heads, head_dim, block_size, c->f[2], 0, 0.f, NULL, alone);
             invariant &= !memcmp(alone, (char *)out + r * row, (size_t)row);
         }
     free(alone);
