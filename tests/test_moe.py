@@ -350,7 +350,7 @@ def gpt_oss_mxfp4(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     them; "gguf": llama.cpp's converter's file of it (the blocks repacked, not requantized). Each with
     transformers' greedy continuations on the weights the blocks hold. The config's YaRN truncated, as
     llama.cpp computes it."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     config = tiny_config("gpt_oss")
@@ -367,7 +367,7 @@ def gpt_oss_mxfp4(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     model.load_state_dict(state)
     model.save_pretrained(reference_dir)
     shutil.copytree(reference_dir, mxfp4_dir, dirs_exist_ok=True)
-    weights = {n: t for n, t in load_file(reference_dir / "model.safetensors").items() if n + "_blocks" not in quantized}
+    weights = {n: t for n, t in _all_tensors(reference_dir).items() if n + "_blocks" not in quantized}
     save_file({**weights, **quantized}, mxfp4_dir / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((mxfp4_dir / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -402,9 +402,7 @@ def test_mxfp4_experts(source: str, gpt_oss_mxfp4: dict) -> None:
 
 
 def _mxfp4_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {n: t for n, t in load_file(directory / "model.safetensors").items() if n.endswith(("_blocks", "_scales"))}
+    return {n: t for n, t in _all_tensors(directory).items() if n.endswith(("_blocks", "_scales"))}
 
 
 def test_bad_mxfp4_tensors_are_refused_naming_them(gpt_oss_mxfp4: dict, tmp_path: Path) -> None:

@@ -121,11 +121,8 @@ def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> Ite
     ggml = torch.cat((scales[..., None], values[..., :16] | (values[..., 16:] << 4)), dim=-1).flatten(-2)
     head, _, proj = name.removesuffix("_blocks").rpartition(".")
     for expert, rows in enumerate(ggml.unbind(0)):
-        if proj == "down_proj":
-            yield f"{head}.{expert}.down_proj.weight", QuantizedTensor(rows.contiguous(), MXFP4)
-        else:
-            yield f"{head}.{expert}.gate_proj.weight", QuantizedTensor(rows[0::2].contiguous(), MXFP4)
-            yield f"{head}.{expert}.up_proj.weight", QuantizedTensor(rows[1::2].contiguous(), MXFP4)
+        for part, part_rows in _gpt_oss_parts(f"{head}.{expert}", proj.removesuffix("_proj"), "weight", rows):
+            yield part, QuantizedTensor(part_rows, MXFP4)
 
 
 _STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # [experts, out, in], gate rows before up rows
@@ -158,9 +155,14 @@ def _per_expert_transposed(name: str, tensor: torch.Tensor) -> Iterator[tuple[st
         raise ValueError(f"expert tensor {name} has shape {tuple(tensor.shape)}; expected "
                          f"{'[experts, out]' if suffix == 'bias' else '[experts, in, out]'}")
     for expert, t in enumerate(tensor.unbind(0)):
-        t = t.t() if suffix == "weight" else t
-        if base == "down":
-            yield f"{head}.{expert}.down_proj.{suffix}", t.contiguous()
-        else:
-            yield f"{head}.{expert}.gate_proj.{suffix}", t[0::2].contiguous()
-            yield f"{head}.{expert}.up_proj.{suffix}", t[1::2].contiguous()
+        yield from _gpt_oss_parts(f"{head}.{expert}", base, suffix, t.t() if suffix == "weight" else t)
+
+
+def _gpt_oss_parts(expert: str, base: str, suffix: str, rows: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One gpt-oss expert's rows of `base` ("gate_up": gate and up interleaved, even rows the gate's; or
+    "down") under the decoder's names, each part contiguous."""
+    if base == "down":
+        yield f"{expert}.down_proj.{suffix}", rows.contiguous()
+    else:
+        yield f"{expert}.gate_proj.{suffix}", rows[0::2].contiguous()
+        yield f"{expert}.up_proj.{suffix}", rows[1::2].contiguous()

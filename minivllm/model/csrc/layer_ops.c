@@ -43,7 +43,7 @@ void ACT##_and_mul_##S(const T *gate_up, T *out, int64_t tokens, int64_t inter) 
 }
 
 /* gpt-oss's clamped SwiGLU: out = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit),
- * each product and sum rounded to T where torch rounds it (model_config.SWIGLU_OAI_*, moe.py's twin). */
+ * each product and sum rounded to T where torch rounds it (model_config.SWIGLU_OAI_*; activations.py is its twin). */
 #define SWIGLU_OAI_ALPHA 1.702f
 #define SWIGLU_OAI_LIMIT 7.f
 #define SWIGLU_OAI_AND_MUL(S, T, LOAD, STORE)                                                              \
