@@ -15,6 +15,7 @@
 
 #include "bf16.h"
 #include "layer_desc.h"
+#include "quant_gemm.h"
 #include "simd.h"
 
 /* The router's choice for one token: the k best experts (ties: the lower id first) and their weights,
@@ -52,31 +53,55 @@ static void route_token(const float *logits, int64_t E, int64_t K, int64_t routi
     }
 }
 
+#define MOE_BATCH_ROWS 256  /* rows of experts run as one batch of GEMMs, at least: every expert of a decode step */
+
 #define DEFINE_MOE(S, T, W, LOAD, STORE)                                                                   \
 void gemm_##S(const T *x, int64_t ldx, const W *w, const float *bias, T *out, int64_t ldo,              \
               int64_t M, int64_t N, int64_t K);                                                          \
-void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,                  \
-               T *out, int64_t ldo, int64_t M, int64_t N, int64_t K);                                    \
+void qgemm_calls_##S(const QGemmCall *calls, int64_t count);                                             \
 void act_and_mul_##S(int64_t act, const T *gate_up, T *out, int64_t tokens, int64_t inter);           \
                                                                                                          \
-/* out[M, n] = x[M, k] W^T (+ bias): the float GEMM, or the quantized one per segment. */                 \
-void apply_linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {                              \
-    if (!l->num_segments)                                                                                \
-        gemm_##S(x, l->k, (const W *)l->weight, l->bias, out, l->n, M, l->n, l->k);                      \
-    for (int64_t i = 0, offset = 0; i < l->num_segments; offset += l->segments[i++].n) {                 \
-        const SegmentDesc *seg = &l->segments[i];                                                        \
-        qgemm_##S(x, l->k, (const uint8_t *)seg->weight, (int)seg->qtype, l->bias ? l->bias + offset : NULL, \
-                  out + offset, l->n, M, seg->n, l->k);                                                  \
+/* outs[i][Ms[i], n] = xs[i][Ms[i], k] W_i^T (+ bias) for n linears: every quantized segment of them in   \
+ * one batch of GEMMs (one parallel region: quant_gemm.c), a float linear by its own GEMM. */             \
+static void apply_linears_##S(const LinearDesc *const *ls, const T *const *xs, T *const *outs,           \
+                              const int64_t *Ms, int64_t n) {                                            \
+    QGemmCall calls[n * MAX_SEGMENTS];                                                                   \
+    int64_t count = 0;                                                                                   \
+    for (int64_t i = 0; i < n; i++) {                                                                    \
+        const LinearDesc *l = ls[i];                                                                     \
+        if (!l->num_segments)                                                                            \
+            gemm_##S(xs[i], l->k, (const W *)l->weight, l->bias, outs[i], l->n, Ms[i], l->n, l->k);      \
+        for (int64_t j = 0, offset = 0; j < l->num_segments; offset += l->segments[j++].n) {             \
+            const SegmentDesc *seg = &l->segments[j];                                                    \
+            calls[count++] = (QGemmCall){xs[i], l->k, seg->weight, seg->qtype, l->bias ? l->bias + offset : NULL, \
+                                         outs[i] + offset, l->n, Ms[i], seg->n, l->k};                   \
+        }                                                                                                \
     }                                                                                                    \
+    if (count) qgemm_calls_##S(calls, count);                                                            \
 }                                                                                                        \
                                                                                                          \
-/* decoder.MLP: out[M, hidden] = down(act(gate) * up) of x[M, hidden]; gate_up [M, 2 inter] and        \
- * hidden [M, inter] are scratch. */                                                                     \
-static void expert_##S(const ExpertDesc *e, int64_t inter, int64_t act, const T *x, T *out, int64_t M,  \
-                       T *gate_up, T *hidden) {                                                          \
-    apply_linear_##S(&e->gate_up, x, gate_up, M);                                                        \
-    act_and_mul_##S(act, gate_up, hidden, M, inter);                                                     \
-    apply_linear_##S(&e->down, hidden, out, M);                                                          \
+/* out[M, n] = x[M, k] W^T (+ bias): the float GEMM, or the quantized one over every segment. */          \
+void apply_linear_##S(const LinearDesc *l, const T *x, T *out, int64_t M) {                              \
+    apply_linears_##S(&l, &x, &out, &M, 1);                                                              \
+}                                                                                                        \
+                                                                                                         \
+/* decoder.MLP of n experts at once, expert i on Ms[i] rows: out = down(act(gate) * up) of x [rows, hidden], \
+ * the experts' rows one after another in x, out, and the scratch gate_up [rows, 2 inter] and mid         \
+ * [rows, inter]. */                                                                                     \
+static void experts_##S(const ExpertDesc *const *es, const int64_t *Ms, int64_t n, int64_t inter,         \
+                        int64_t act, int64_t hidden, const T *x, T *out, T *gate_up, T *mid) {             \
+    const LinearDesc *ups[n], *downs[n];                                                                 \
+    const T *xs[n], *hs[n];                                                                              \
+    T *gus[n], *outs[n];                                                                                 \
+    int64_t rows = 0;                                                                                    \
+    for (int64_t i = 0; i < n; rows += Ms[i++]) {                                                        \
+        ups[i] = &es[i]->gate_up, downs[i] = &es[i]->down;                                               \
+        xs[i] = x + rows * hidden, outs[i] = out + rows * hidden;                                        \
+        gus[i] = gate_up + rows * 2 * inter, hs[i] = mid + rows * inter;                                 \
+    }                                                                                                    \
+    apply_linears_##S(ups, xs, gus, Ms, n);                                                              \
+    act_and_mul_##S(act, gate_up, mid, rows, inter);                                                     \
+    apply_linears_##S(downs, hs, outs, Ms, n);                                                           \
 }                                                                                                        \
                                                                                                          \
 /* out[M, hidden] = the MoE MLP of x[M, hidden]. */                                                     \
@@ -97,21 +122,29 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
     int64_t *next = memcpy(malloc(sizeof(int64_t) * E), starts, sizeof(int64_t) * E);                   \
     for (int64_t p = 0; p < P; p++) order[next[ids[p]]++] = p;  /* stable: by token, then slot */        \
     free(next);                                                                                          \
-    /* One chosen expert after another, each GEMM on every thread: measured faster than the experts side \
-     * by side, a thread each, even at one token (0.27 against 0.31 ms a layer on 2 cores). An expert     \
-     * takes at most M rows (a token picks it once), so M rows of scratch serve every expert. */        \
+    /* The chosen experts in batches of at least MOE_BATCH_ROWS rows (all of them at a decode step), each \
+     * batch's GEMMs in one parallel region: at one token, sixteen GEMMs of a few hundred KB each, one  \
+     * after another, paid a fork and two barriers apiece. Scratch for `cap` rows serves every batch and  \
+     * the shared expert (an expert takes at most M rows: a token picks it once). */                    \
     const int64_t width = d->inter > d->shared_inter ? d->inter : d->shared_inter;                       \
-    T *rows = malloc(sizeof(T) * M * hidden), *results = malloc(sizeof(T) * M * hidden);                \
-    T *gate_up = malloc(sizeof(T) * M * 2 * width), *act = malloc(sizeof(T) * M * width);               \
-    for (int64_t e = 0; e < E; e++) {                                                                    \
-        const int64_t *pairs = order + starts[e], count = starts[e + 1] - starts[e];                     \
+    const int64_t cap = M > MOE_BATCH_ROWS ? M : MOE_BATCH_ROWS;                                         \
+    T *rows = malloc(sizeof(T) * cap * hidden), *results = malloc(sizeof(T) * cap * hidden);            \
+    T *gate_up = malloc(sizeof(T) * cap * 2 * width), *act = malloc(sizeof(T) * cap * width);           \
+    const ExpertDesc *batch[E];                                                                          \
+    int64_t counts[E];                                                                                   \
+    for (int64_t e = 0, n = 0, used = 0; e <= E; e++) {                                                  \
+        const int64_t count = e < E ? starts[e + 1] - starts[e] : 0;                                     \
+        if (n && (e == E || used + count > cap)) {  /* run the batch, each pair's output to its row */   \
+            experts_##S(batch, counts, n, d->inter, d->act, hidden, rows, results, gate_up, act);        \
+            for (int64_t i = 0; i < used; i++)                                                           \
+                memcpy(expert_out + order[starts[e] - used + i] * hidden, results + i * hidden, sizeof(T) * hidden); \
+            n = used = 0;                                                                                \
+        }                                                                                                \
         if (!count) continue;                                                                            \
         d->load[e] += count;                                                                             \
         for (int64_t i = 0; i < count; i++)  /* its pairs' token rows, gathered */                      \
-            memcpy(rows + i * hidden, x + pairs[i] / K * hidden, sizeof(T) * hidden);                   \
-        expert_##S(&d->experts[e], d->inter, d->act, rows, results, count, gate_up, act);                \
-        for (int64_t i = 0; i < count; i++)  /* each pair's output to its row of expert_out */          \
-            memcpy(expert_out + pairs[i] * hidden, results + i * hidden, sizeof(T) * hidden);           \
+            memcpy(rows + (used + i) * hidden, x + order[starts[e] + i] / K * hidden, sizeof(T) * hidden); \
+        batch[n] = &d->experts[e], counts[n++] = count, used += count;                                   \
     }                                                                                                    \
     /* Each token's k outputs in its own top-k order, each weight in the dtype (moe.run_experts). */   \
     _Pragma("omp parallel for if(M >= 16)")                                                              \
@@ -126,7 +159,8 @@ void moe_##S(const MoEDesc *d, const T *x, T *out, int64_t M, int64_t hidden) { 
             out[t * hidden + h] = STORE(acc);                                                            \
         }                                                                                                \
     if (d->shared_inter) {  /* out += sigmoid(x . shared_gate) * shared_expert(x), rounded as torch */  \
-        expert_##S(&d->shared, d->shared_inter, d->act, x, results, M, gate_up, act);                    \
+        const ExpertDesc *shared = &d->shared;                                                           \
+        experts_##S(&shared, &M, 1, d->shared_inter, d->act, hidden, x, results, gate_up, act);          \
         apply_linear_##S(&d->shared_gate, x, logits, M);                                                 \
         for (int64_t t = 0; t < M; t++) {                                                                \
             const float g = LOAD(STORE(1.f / (1.f + expf(-LOAD(logits[t])))));                           \

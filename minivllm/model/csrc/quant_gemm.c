@@ -41,6 +41,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "quant_gemm.h"
 #include "simd.h"
 
 /* A format's shape, from ggml's type id (gguf_quants.BLOCK_FORMATS holds the same traits). */
@@ -177,45 +178,42 @@ static inline pints block_part_start(int32_t zero, int wide) {
 
 static inline int64_t qmin64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* x [M, K] (float32 or bf16, row stride ldx) -> x8 [M, K] int8 and meta [M, K / 32], for a format whose
+/* A row x [K] (float32 or bf16) -> x8 [K] int8 and meta [K / 32], for a format whose
  * integers are v - offset (0: it has a min instead). Vectorized:
  * a scalar loop cost as much as a quarter of a 64-row GEMM. The max and the integer sums are exact, and
  * the vector rounding is lrintf's (to nearest even), so the bits are those of the scalar definition on
  * every target. */
-#define QUANTIZE_ROWS(S, T, LOAD)                                                                  \
-static void quantize_rows_##S(const T *x, int64_t ldx, int64_t M, int64_t K, int offset, int8_t *x8,   \
-                              RowBlock *meta) {                                                    \
-    _Pragma("omp for schedule(static)")                                                            \
-    for (int64_t r = 0; r < M; r++)                                                                \
-        for (int64_t b = 0; b < K / 32; b++) {                                                     \
-            const T *xb = x + r * ldx + b * 32;                                                    \
-            vec v[32 / LANES], amax_v = vec_zero();                                                \
-            for (int i = 0; i < 32 / LANES; i++) {                                                 \
-                v[i] = LOAD(xb + LANES * i);                                                       \
-                amax_v = vec_max(amax_v, vec_abs(v[i]));                                           \
-            }                                                                                      \
-            const float amax = vec_reduce_max(amax_v);                                             \
-            const float dx = exact_div(amax, 127.f), inv = amax > 0.f ? exact_div(127.f, amax) : 0.f; \
-            int8_t *q = x8 + r * K + b * 32;                                                       \
-            int32_t sums[2] = {0, 0};                                                              \
-            for (int i = 0; i < 32 / LANES; i++) {                                                 \
-                const ivec qi = ivec_round(vec_mul(v[i], vec_set1(inv)));                          \
-                ivec_store_i8(q + LANES * i, qi);                                                  \
-                sums[i * LANES / 16] += ivec_reduce_add32(qi);                                     \
-            }                                                                                      \
-            RowBlock *m = meta + r * (K / 32) + b;                                                 \
-            const int32_t parts[3] = {sums[0] + sums[1], sums[0], sums[1]};                        \
-            m->dx = dx;                                                                            \
-            for (int h = 0; h < 3; h++) {                                                          \
-                m->sx[h] = dx * (float)parts[h];                                                   \
-                m->zero[h] = -offset * parts[h];                                                   \
-            }                                                                                      \
-            m->pad = 0;                                                                            \
+#define QUANTIZE_ROW(S, T, LOAD)                                                                   \
+static void quantize_row_##S(const T *x, int64_t K, int offset, int8_t *x8, RowBlock *meta) {         \
+    for (int64_t b = 0; b < K / 32; b++) {                                                         \
+        const T *xb = x + b * 32;                                                                  \
+        vec v[32 / LANES], amax_v = vec_zero();                                                    \
+        for (int i = 0; i < 32 / LANES; i++) {                                                     \
+            v[i] = LOAD(xb + LANES * i);                                                           \
+            amax_v = vec_max(amax_v, vec_abs(v[i]));                                               \
         }                                                                                          \
+        const float amax = vec_reduce_max(amax_v);                                                 \
+        const float dx = exact_div(amax, 127.f), inv = amax > 0.f ? exact_div(127.f, amax) : 0.f;  \
+        int8_t *q = x8 + b * 32;                                                                   \
+        int32_t sums[2] = {0, 0};                                                                  \
+        for (int i = 0; i < 32 / LANES; i++) {                                                     \
+            const ivec qi = ivec_round(vec_mul(v[i], vec_set1(inv)));                              \
+            ivec_store_i8(q + LANES * i, qi);                                                      \
+            sums[i * LANES / 16] += ivec_reduce_add32(qi);                                         \
+        }                                                                                          \
+        RowBlock *m = meta + b;                                                                    \
+        const int32_t parts[3] = {sums[0] + sums[1], sums[0], sums[1]};                            \
+        m->dx = dx;                                                                                \
+        for (int h = 0; h < 3; h++) {                                                              \
+            m->sx[h] = dx * (float)parts[h];                                                       \
+            m->zero[h] = -offset * parts[h];                                                       \
+        }                                                                                          \
+        m->pad = 0;                                                                                \
+    }                                                                                              \
 }
 
-QUANTIZE_ROWS(f32, float, vec_load)
-QUANTIZE_ROWS(bf16, uint16_t, vec_from_bf16)
+QUANTIZE_ROW(f32, float, vec_load)
+QUANTIZE_ROW(bf16, uint16_t, vec_from_bf16)
 
 /* -- decoding: one 32-k block of one panel into u bytes (8 groups of 64, vpdpbusd's order) and float d, m -- */
 
@@ -712,77 +710,133 @@ static inline int unit_panels(int sub, int64_t panels, int64_t pn) {
     return QPAIRS && sub == 1 && pn + 1 < panels ? 2 : 1;
 }
 
-#define QGEMM(S, T, STORE_N)                                                                       \
-void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,           \
-               T *out, int64_t ldo, int64_t M, int64_t N, int64_t K) {                             \
-    const Format f = format_of(qtype);                                                             \
-    const int sub = 32 / f.group, pair = QPAIRS && sub == 1;                                       \
-    int8_t *x8 = malloc((size_t)((M + 16) * K));  /* + a tile's rows: AMX reads whole tiles */   \
-    RowBlock *meta = malloc(sizeof(RowBlock) * (size_t)(M * (K / 32)));                            \
-    const int64_t panels = (N + QPANEL - 1) / QPANEL, row_blocks = (M + QROW_BLOCK - 1) / QROW_BLOCK; \
-    const int64_t units = pair ? (panels + 1) / 2 : panels, blocks = K / 32;                       \
-    const int64_t panel_bytes = K / f.sb * superblock_bytes(&f), chunk_bytes = CHUNK * DECODED;     \
-    /* Split even a one-row call across threads: a decode step is bound by the weight stream. */   \
-    _Pragma("omp parallel if(panels * K >= 2048)")                                                 \
-    {                                                                                              \
-        quantize_rows_##S(x, ldx, M, K, f.offset, x8, meta);                                       \
-        uint8_t *dec = aligned_alloc(64, 2 * chunk_bytes);                                         \
-        float *acc = aligned_alloc(64, sizeof(float) * QROW_BLOCK * 2 * QPANEL);                   \
-        /* Row blocks outer, collapsed with the units so that the threads share any row count evenly: \
-         * a row block's activations stay in cache while the units pass over them (units outer      \
-         * streamed all of x8 once per unit, 10 MB a unit for a 2,048-row down projection, which    \
-         * bound the tiles). Each (row block, unit) decodes its own chunks either way. */           \
-        _Pragma("omp for collapse(2) schedule(static)")                                            \
-        for (int64_t rb = 0; rb < row_blocks; rb++)                                                \
-            for (int64_t un = 0; un < units; un++) {                                               \
-                const int64_t pn = pair ? 2 * un : un, m0 = rb * QROW_BLOCK;                       \
-                const int64_t m_end = qmin64(M, m0 + QROW_BLOCK);                                  \
-                const int np = unit_panels(sub, panels, pn), tile_rows = np == 2 ? QPAIR_ROWS : QMAX_ROWS; \
-                if (M == 1) {  /* a batch-1 decode: decoded in registers */                        \
-                    pfloats row[2];                                                                \
-                    row_any(qtype, x8, meta, K, w + pn * panel_bytes, panel_bytes, np, row);       \
-                    for (int p = 0; p < np; p++) pfloats_store(acc + p * QPANEL, row[p]);          \
-                } else {                                                                           \
-                memset(acc, 0, sizeof(float) * (size_t)((m_end - m0) * np * QPANEL));              \
-                for (int64_t kb = 0; kb < blocks; kb += CHUNK) {                                   \
-                    const int nb = (int)qmin64(CHUNK, blocks - kb);                                \
-                    for (int p = 0; p < np; p++)                                                   \
-                        decode_any(qtype, w + (pn + p) * panel_bytes, kb, nb, dec + p * chunk_bytes); \
-                    if (AMX_GEMM && amx_tiles_ready() && m_end - m0 >= 16) {                       \
-                        AMX_CHUNK(x8 + m0 * K, meta + m0 * blocks, K, kb, nb, dec, chunk_bytes, np, sub, \
-                                  f.has_min, (int)(m_end - m0), acc);                              \
-                        continue;                                                                  \
-                    }                                                                              \
-                    for (int64_t r0 = m0; r0 < m_end; r0 += tile_rows) {                           \
-                        const int rows = (int)qmin64(tile_rows, m_end - r0);                       \
-                        tile_any(x8 + r0 * K, meta + r0 * blocks, K, kb, nb, dec, chunk_bytes, np, sub, \
-                                 f.bits, wide(f), f.has_min, rows, acc + (r0 - m0) * np * QPANEL); \
-                    }                                                                              \
-                }                                                                                  \
-                }                                                                                  \
-                for (int p = 0; p < np; p++) {                                                     \
-                    const int64_t n0 = (pn + p) * QPANEL;                                          \
-                    const int valid = (int)qmin64(QPANEL, N - n0);                                 \
-                    for (int i = 0; i < QV; i++) {                                                 \
-                        const int lanes = valid - LANES * i;                                       \
-                        if (lanes <= 0) break;                                                     \
-                        const vec bv = bias ? vec_load_n(bias + n0 + LANES * i, lanes) : vec_zero(); \
-                        for (int64_t r = m0; r < m_end; r++) {                                     \
-                            const float *a = acc + ((r - m0) * np + p) * QPANEL + LANES * i;       \
-                            STORE_N(out + r * ldo + n0 + LANES * i, vec_add(vec_load(a), bv), lanes); \
-                        }                                                                          \
-                    }                                                                              \
-                }                                                                                  \
+/* A call's shape: its panels, work units (row blocks x panel units) and quantized activations' bytes. */
+typedef struct {
+    Format f;
+    int sub, pair;
+    int64_t panels, units, row_blocks, panel_bytes;
+} Shape;
+
+static Shape shape_of(const QGemmCall *c) {
+    Shape s = {.f = format_of((int)c->qtype)};
+    s.sub = 32 / s.f.group;
+    s.pair = QPAIRS && s.sub == 1;
+    s.panels = (c->N + QPANEL - 1) / QPANEL;
+    s.units = s.pair ? (s.panels + 1) / 2 : s.panels;
+    s.row_blocks = (c->M + QROW_BLOCK - 1) / QROW_BLOCK;
+    s.panel_bytes = c->K / s.f.sb * superblock_bytes(&s.f);
+    return s;
+}
+
+/* Unit `un` of row block `rb` of call c: its output columns for up to QROW_BLOCK rows. dec, acc: the
+ * thread's scratch. */
+#define QGEMM_UNIT(S, T, STORE_N)                                                                  \
+static void qgemm_unit_##S(const QGemmCall *c, const Shape *s, const int8_t *x8, const RowBlock *meta, \
+                           int64_t rb, int64_t un, uint8_t *dec, float *acc) {                     \
+    const Format f = s->f;                                                                         \
+    const int64_t M = c->M, N = c->N, K = c->K, blocks = K / 32, chunk_bytes = CHUNK * DECODED;    \
+    const uint8_t *w = c->w;                                                                       \
+    const int64_t pn = s->pair ? 2 * un : un, m0 = rb * QROW_BLOCK, m_end = qmin64(M, m0 + QROW_BLOCK); \
+    const int np = unit_panels(s->sub, s->panels, pn), tile_rows = np == 2 ? QPAIR_ROWS : QMAX_ROWS; \
+    if (M == 1) {  /* a batch-1 decode: decoded in registers */                                    \
+        pfloats row[2];                                                                            \
+        row_any((int)c->qtype, x8, meta, K, w + pn * s->panel_bytes, s->panel_bytes, np, row);     \
+        for (int p = 0; p < np; p++) pfloats_store(acc + p * QPANEL, row[p]);                      \
+    } else {                                                                                       \
+        memset(acc, 0, sizeof(float) * (size_t)((m_end - m0) * np * QPANEL));                      \
+        for (int64_t kb = 0; kb < blocks; kb += CHUNK) {                                           \
+            const int nb = (int)qmin64(CHUNK, blocks - kb);                                        \
+            for (int p = 0; p < np; p++)                                                           \
+                decode_any((int)c->qtype, w + (pn + p) * s->panel_bytes, kb, nb, dec + p * chunk_bytes); \
+            if (AMX_GEMM && amx_tiles_ready() && m_end - m0 >= 16) {                               \
+                AMX_CHUNK(x8 + m0 * K, meta + m0 * blocks, K, kb, nb, dec, chunk_bytes, np, s->sub, \
+                          f.has_min, (int)(m_end - m0), acc);                                      \
+                continue;                                                                          \
             }                                                                                      \
+            for (int64_t r0 = m0; r0 < m_end; r0 += tile_rows) {                                   \
+                const int rows = (int)qmin64(tile_rows, m_end - r0);                               \
+                tile_any(x8 + r0 * K, meta + r0 * blocks, K, kb, nb, dec, chunk_bytes, np, s->sub, \
+                         f.bits, wide(f), f.has_min, rows, acc + (r0 - m0) * np * QPANEL);         \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    T *out = c->out;                                                                               \
+    for (int p = 0; p < np; p++) {                                                                 \
+        const int64_t n0 = (pn + p) * QPANEL;                                                      \
+        const int valid = (int)qmin64(QPANEL, N - n0);                                             \
+        for (int i = 0; i < QV; i++) {                                                             \
+            const int lanes = valid - LANES * i;                                                   \
+            if (lanes <= 0) break;                                                                 \
+            const vec bv = c->bias ? vec_load_n(c->bias + n0 + LANES * i, lanes) : vec_zero();     \
+            for (int64_t r = m0; r < m_end; r++) {                                                 \
+                const float *a = acc + ((r - m0) * np + p) * QPANEL + LANES * i;                   \
+                STORE_N(out + r * c->ldo + n0 + LANES * i, vec_add(vec_load(a), bv), lanes);       \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+/* Every call of a batch in one parallel region: first all their rows quantized, then all their work
+ * units (row blocks outer, collapsed with the units, so that the threads share any row count evenly and a
+ * row block's activations stay in cache while the units pass over them), each thread taking an even
+ * share of the batch's units in one contiguous run. A mixture of experts' eight small GEMMs (or a fused
+ * q/k/v's three segments) thus pay one fork and two barriers, not one fork and two barriers each, and
+ * each call's units are exactly those it would run alone: a row's bits do not depend on the batch. */
+#define QGEMM_CALLS(S, T)                                                                          \
+void qgemm_calls_##S(const QGemmCall *calls, int64_t count) {                                      \
+    Shape shapes[count];                                                                           \
+    int64_t first_row[count + 1], first_unit[count + 1], x8_at[count + 1], meta_at[count + 1], work = 0; \
+    first_row[0] = first_unit[0] = x8_at[0] = meta_at[0] = 0;                                      \
+    for (int64_t i = 0; i < count; i++) {                                                          \
+        const QGemmCall *c = &calls[i];                                                            \
+        shapes[i] = shape_of(c);                                                                   \
+        first_row[i + 1] = first_row[i] + c->M;                                                    \
+        first_unit[i + 1] = first_unit[i] + shapes[i].row_blocks * shapes[i].units;                \
+        x8_at[i + 1] = x8_at[i] + (c->M + 16) * c->K;  /* + a tile's rows: AMX reads whole tiles */ \
+        meta_at[i + 1] = meta_at[i] + c->M * (c->K / 32);                                          \
+        work += shapes[i].panels * c->K;                                                           \
+    }                                                                                              \
+    int8_t *x8 = malloc((size_t)x8_at[count]);                                                     \
+    RowBlock *meta = malloc(sizeof(RowBlock) * (size_t)meta_at[count]);                            \
+    /* Split even a one-row call across threads: a decode step is bound by the weight stream. */   \
+    _Pragma("omp parallel if(work >= 2048)")                                                       \
+    {                                                                                              \
+        int64_t i = 0;  /* the call of iteration g: static schedules hand out increasing g */       \
+        _Pragma("omp for schedule(static)")                                                        \
+        for (int64_t g = 0; g < first_row[count]; g++) {                                           \
+            while (g >= first_row[i + 1]) i++;                                                     \
+            const QGemmCall *c = &calls[i];                                                        \
+            const int64_t r = g - first_row[i];                                                    \
+            quantize_row_##S((const T *)c->x + r * c->ldx, c->K, shapes[i].f.offset,               \
+                             x8 + x8_at[i] + r * c->K, meta + meta_at[i] + r * (c->K / 32));       \
+        }                                                                                          \
+        uint8_t *dec = aligned_alloc(64, 2 * CHUNK * DECODED);                                     \
+        float *acc = aligned_alloc(64, sizeof(float) * QROW_BLOCK * 2 * QPANEL);                   \
+        i = 0;                                                                                     \
+        _Pragma("omp for schedule(static)")                                                        \
+        for (int64_t g = 0; g < first_unit[count]; g++) {                                          \
+            while (g >= first_unit[i + 1]) i++;                                                    \
+            const int64_t local = g - first_unit[i];                                               \
+            qgemm_unit_##S(&calls[i], &shapes[i], x8 + x8_at[i], meta + meta_at[i],                \
+                           local / shapes[i].units, local % shapes[i].units, dec, acc);            \
+        }                                                                                          \
         free(dec);                                                                                 \
         free(acc);                                                                                 \
     }                                                                                              \
     free(x8);                                                                                      \
     free(meta);                                                                                    \
+}                                                                                                  \
+                                                                                                   \
+void qgemm_##S(const T *x, int64_t ldx, const uint8_t *w, int qtype, const float *bias,           \
+               T *out, int64_t ldo, int64_t M, int64_t N, int64_t K) {                             \
+    const QGemmCall call = {x, ldx, w, qtype, bias, out, ldo, M, N, K};                            \
+    qgemm_calls_##S(&call, 1);                                                                     \
 }
 
-QGEMM(f32, float, vec_store_n)
-QGEMM(bf16, uint16_t, vec_store_bf16_n)
+QGEMM_UNIT(f32, float, vec_store_n)
+QGEMM_UNIT(bf16, uint16_t, vec_store_bf16_n)
+QGEMM_CALLS(f32, float)
+QGEMM_CALLS(bf16, uint16_t)
 
 /* Rows `ids` of a packed weight, dequantized as w = d * v + m (the embedding table, when it is quantized). */
 #define QROWS(S, T, STORE)                                                                         \
