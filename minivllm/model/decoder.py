@@ -253,19 +253,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ropes: list[Rope], kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.norm_projection:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.norm_projection:  # the projection as one head
+            q, k = self._qk_norm(q.unflatten(-1, (1, -1)), k.unflatten(-1, (1, -1)))
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.norm_projection:
-            if self.ops is not None:
-                self.ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
-                self.ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
-            else:
-                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._qk_norm(q, k)
         if self.rope != NO_ROPE:
             rope = ropes[self.rope]
             if self.ops is not None:
@@ -275,6 +271,15 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops, self.window, self.softcap,
                             self.sink_logits)
         return self.o_proj(o.flatten(1))
+
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q and k norms of each head of q [T, heads, d] and k [T, kv_heads, d], in place where native."""
+        if self.ops is None:
+            return self.q_norm(q), self.k_norm(k)
+        self.ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
+        self.ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
+        return q, k
 
 
 class MLP(nn.Module):

@@ -53,7 +53,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("moe", _PTR)] + [
         (name, _PTR) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm",
                                   "sinks")] + [
-        ("rope", _I64), ("window", _I64)]
+        ("rope", _I64), ("window", _I64), ("norm_projection", _I64)]
 
 
 class _Model(ctypes.Structure):
@@ -101,7 +101,7 @@ def _layer(layer) -> _Layer:
                   _weight(attn.q_norm), _weight(attn.k_norm),
                   _weight(layer.post_attention_layernorm if sandwich else None),
                   _weight(layer.post_feedforward_layernorm if sandwich else None), _ptr(attn.sink_logits),
-                  attn.rope, attn.window or 0)
+                  attn.rope, attn.window or 0, attn.norm_projection)
 
 
 def _weight(norm) -> int | None:
@@ -140,9 +140,9 @@ class NativeMoE:
 class NativeForward:
     @staticmethod
     def covers(config: ModelConfig) -> bool:
-        """Whether forward.c runs this model's layers: not OLMoE's q/k norms over the whole projection
-        (decoder.py's Python loop runs those, on the same native kernels)."""
-        return config.qk_norm_span == "head" and config.clip_qkv is None
+        """Whether forward.c runs this model's layers: not where q, k and v are clamped (OLMo's clip_qkv;
+        decoder.py's Python loop runs those, on the same native kernels)."""
+        return config.clip_qkv is None
 
     def __init__(self, model, function) -> None:
         cfg = model.config

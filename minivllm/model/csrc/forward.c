@@ -11,7 +11,8 @@
  * The KV pool's format (--kv-cache-dtype) picks the attention kernel and, for a quantized pool, the
  * KV write: the model description carries both, as kernels.py chose them.
  *
- * The family switches (model_config.py) that a layer reads are in its description: q/k norms, which
+ * The family switches (model_config.py) that a layer reads are in its description: q/k norms (per head
+ * or over the projection), which
  * rotary table (or none), its sliding window, Gemma's norms after attention and after the MLP; the
  * model's: partial rotary, the activation, the attention softcap, Granite's residual multiplier.
  * A step serving LoRA adapters passes its segments (runs of rows of one adapter, as lora/layers.py's
@@ -33,11 +34,12 @@ typedef struct {
     LinearDesc qkv, o, gate_up, down;  /* gate_up and down: a dense MLP's (unused where moe is set) */
     const MoEDesc *moe;  /* a sparse layer's mixture of experts (moe.c), or NULL: the dense MLP */
     const void *input_norm, *post_norm;  /* post_norm: the MLP's input norm */
-    const void *q_norm, *k_norm;  /* per head, or NULL */
+    const void *q_norm, *k_norm;  /* per head or over the whole projection (norm_projection), or NULL */
     const void *attn_out_norm, *mlp_out_norm;  /* Gemma's norms of the attention and MLP outputs, or NULL */
     const float *sinks;  /* gpt-oss's attention sink per head, float32, or NULL */
     int64_t rope;  /* the rotary table (StepDesc.cos/sin index), or -1: none */
     int64_t window;  /* sliding window, or 0 */
+    int64_t norm_projection;  /* OLMoE: q_norm and k_norm span all heads, one norm a row */
 } LayerDesc;
 
 typedef struct {
@@ -140,9 +142,12 @@ void forward_layers_##S(const ModelDesc *m, const StepDesc *s, T *residual, T *o
         float *vs = s->v_scales ? (float *)s->v_scales[i] : NULL;                                        \
         add_rms_norm_##S(pending, residual, (const T *)L->input_norm, normed, M, m->hidden, m->eps);     \
         linear_##S(&L->qkv, normed, qkv, M, s, i * LORA_TARGETS);                                        \
-        if (L->q_norm) {                                                                                 \
-            head_rms_norm_##S(qkv, qkv_width, M, m->heads, m->head_dim, (const T *)L->q_norm, m->eps);   \
-            head_rms_norm_##S(qkv + q_size, qkv_width, M, m->kv_heads, m->head_dim, (const T *)L->k_norm, m->eps); \
+        if (L->q_norm) {  /* a projection's norm is a norm of one head as wide as the projection */     \
+            const int64_t q_heads = L->norm_projection ? 1 : m->heads;                                   \
+            const int64_t kv_heads = L->norm_projection ? 1 : m->kv_heads;                               \
+            head_rms_norm_##S(qkv, qkv_width, M, q_heads, q_size / q_heads, (const T *)L->q_norm, m->eps); \
+            head_rms_norm_##S(qkv + q_size, qkv_width, M, kv_heads, kv_size / kv_heads, (const T *)L->k_norm, \
+                              m->eps);                                                                   \
         }                                                                                                \
         if (L->rope >= 0)                                                                                \
             rotary_##S(qkv, qkv_width, qkv + q_size, qkv_width, s->cos[L->rope], s->sin[L->rope], M,     \
