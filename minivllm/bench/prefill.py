@@ -4,8 +4,9 @@ One request at a time, of each --input-lens length (random token ids, so the pre
 its time to the first token, which on a CPU is the prefill, and the prefill rate. Each rate is also a
 share of this machine's peaks for the model's work (its layers' matrix products plus attention's QK^T
 and PV over the causal context), measured in the same run: the AMX tiles' bf16 peak from registers (no
-memory; `amx_peak_ops`) where the CPU has them, and torch's own bf16 matrix product at 2,048^3 (oneDNN,
-on the tiles where there are any), the rate a real GEMM reaches. With --llama-bench PATH, llama.cpp's
+memory; `amx_peak_ops`) where the CPU has them, and torch's own matrix product at 2,048^3 in the
+engine's dtype (bf16 on oneDNN, on the tiles where there are any; float32 where the CPU has no bf16
+arithmetic, whose bf16 product torch only emulates), the rate a real GEMM reaches. With --llama-bench PATH, llama.cpp's
 `llama-bench -p N -n 0` runs on the same file at each length in the same sitting (the better of flash
 attention off and on), and --plot draws both engines' rates against the context as a PNG.
 """
@@ -41,7 +42,8 @@ class PrefillPoint:
 class Peaks:
     tile_bf16_flops: float | None  # the AMX tiles' bf16 rate from registers; None without AMX
     tile_int8_ops: float | None
-    torch_bf16_flops: float  # torch's bf16 matrix product at 2,048^3
+    torch_matmul_flops: float  # torch's matrix product at 2,048^3 in torch_matmul_dtype
+    torch_matmul_dtype: str  # the engine's: bfloat16 or float32
 
 
 def prompt_flops(config: ModelConfig, n: int) -> float:
@@ -58,10 +60,10 @@ def prompt_flops(config: ModelConfig, n: int) -> float:
     return matrix + 4 * config.num_attention_heads * config.head_dim * keys
 
 
-def measure_peaks(device: torch.device) -> Peaks:
-    x = torch.randn(2048, 2048, dtype=torch.bfloat16, device=device)
+def measure_peaks(device: torch.device, dtype: torch.dtype) -> Peaks:
+    x = torch.randn(2048, 2048, dtype=dtype, device=device)
     torch_rate = 2 * 2048 ** 3 / best_time(lambda: x @ x, device, rounds=3)
-    return Peaks(*tile_peaks(device), torch_rate)
+    return Peaks(*tile_peaks(device), torch_rate, str(dtype).removeprefix("torch."))
 
 
 def llama_bench_rate(binary: str, model: Path, n: int, threads: int, flash_attention: str = "0,1") -> float:
@@ -102,14 +104,14 @@ def run_prefill(config: EngineConfig, lengths: list[int], runs: int = 1, llama_b
                 progress(f"llama-bench -p {p.input_len}")
             p.llama_cpp_tokens_per_s = llama_bench_rate(llama_bench, Path(config.model), p.input_len, threads,
                                                         flash_attention)
-    return points, measure_peaks(config.torch_device)
+    return points, measure_peaks(config.torch_device, config.torch_dtype)
 
 
 def format_prefill(points: list[PrefillPoint], peaks: Peaks, model: str) -> str:
     tile = f"{peaks.tile_bf16_flops / 1e9:,.0f}" if peaks.tile_bf16_flops else "no AMX"
     lines = [f"Prefill of {model}, one request at a time. Peaks measured now: AMX bf16 tiles {tile} GFLOP/s"
              + (f" (int8 {peaks.tile_int8_ops / 1e9:,.0f} GOP/s)" if peaks.tile_int8_ops else "")
-             + f", torch bf16 matmul {peaks.torch_bf16_flops / 1e9:,.0f} GFLOP/s",
+             + f", torch {peaks.torch_matmul_dtype} matmul {peaks.torch_matmul_flops / 1e9:,.0f} GFLOP/s",
              f"{'tokens':>7} {'TTFT s':>8} {'tok/s':>8} {'GFLOP/s':>8} {'of tiles':>8} {'of matmul':>9}"
              f" {'llama.cpp':>9} {'ratio':>6}"]
     for p in points:
@@ -118,7 +120,7 @@ def format_prefill(points: list[PrefillPoint], peaks: Peaks, model: str) -> str:
         peer = (f"{p.llama_cpp_tokens_per_s:9.1f} {p.tokens_per_s / p.llama_cpp_tokens_per_s:5.2f}x"
                 if p.llama_cpp_tokens_per_s else f"{'-':>9} {'-':>6}")
         lines.append(f"{p.input_len:7d} {p.ttft_s:8.2f} {p.tokens_per_s:8.1f} {rate / 1e9:8.0f} {tiles:>8} "
-                     f"{rate / peaks.torch_bf16_flops:9.1%} {peer}")
+                     f"{rate / peaks.torch_matmul_flops:9.1%} {peer}")
     return "\n".join(lines)
 
 
