@@ -125,7 +125,7 @@ def test_hf_directory_matches_transformers(kind: str, checkpoints: dict) -> None
     assert config.num_experts == 4 and config.num_experts_per_tok == 2
     assert config.dense_layers == ([1] if kind == "qwen3_moe" else [])
     assert llm.engine.runner.batch_invariant  # the experts on the native kernels
-    # forward.c's layer loop, csrc/moe.c in it; OLMoE's projection-wide q/k norms keep the Python loop
+    # forward.c's layer loop, csrc/moe.c in it; the tiny OLMoE's clamped q, k and v keep the Python loop
     assert (llm.engine.runner.model.native_forward is None) == (kind == "olmoe")
     assert_family_matches(llm, reference)
     # The routing skew: each sparse layer sent each token to 2 experts (a prompt shorter than a block:
@@ -223,10 +223,11 @@ def test_expert_kernel_against_its_torch_twin(checkpoints: dict) -> None:
     assert all(torch.equal(moe(x[t:t + 1])[0], row) for t, row in enumerate(moe(x)))
 
 
-# a shared expert; a dense layer among sparse ones; sinks, biases and the clamped SwiGLU
-@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "gpt_oss"])
-def test_native_layer_loop_equals_python_loop(kind: str, checkpoints: dict) -> None:
-    llm = family_engine(checkpoints[kind][0], "bfloat16")
+# a shared expert; a dense layer among sparse ones; sinks, biases and the clamped SwiGLU; OLMoE's q/k
+# norms over the whole projection (its GGUF: no clip_qkv, which keeps the Python loop)
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe"])
+def test_native_layer_loop_equals_python_loop(kind: str, checkpoints: dict, ggufs: dict) -> None:
+    llm = family_engine((ggufs if kind == "olmoe" else checkpoints)[kind][0], "bfloat16")
     assert llm.engine.runner.model.native_forward is not None
     prompts = [{"prompt_token_ids": p} for p in family_prompts(llm)]
     assert layer_loop_outputs(llm, True, prompts=prompts) == layer_loop_outputs(llm, False, prompts=prompts)
