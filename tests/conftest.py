@@ -11,6 +11,17 @@ from typing import Any
 
 import pytest
 
+# `make test` runs two files at a time (pytest-xdist's --dist loadfile, one thread each): the longest files
+# go first, so that no worker is left with one of them at the end while the other has nothing to run.
+LONGEST_FILES = ["test_real_gguf.py", "test_ray.py", "test_bench.py", "test_spec_decode.py", "test_simulate.py",
+                 "test_batch_invariance.py", "test_moe.py", "test_hf_equality.py", "test_server.py", "test_router.py",
+                 "test_tensor_parallel.py", "test_scheduler_real.py"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
 
 def _load(**engine_args: Any) -> Any:
     from minivllm import LLM

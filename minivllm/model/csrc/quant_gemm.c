@@ -779,8 +779,8 @@ static void qgemm_unit_##S(const QGemmCall *c, const Shape *s, const int8_t *x8,
 /* Every call of a batch in one parallel region: first all their rows quantized, then all their work
  * units (row blocks outer, collapsed with the units, so that the threads share any row count evenly and a
  * row block's activations stay in cache while the units pass over them), each thread taking an even
- * share of the batch's units in one contiguous run. A mixture of experts' eight small GEMMs (or a fused
- * q/k/v's three segments) thus pay one fork and two barriers, not one fork and two barriers each, and
+ * share of the batch's units in one contiguous run. A decode step's chosen experts' small GEMMs (or a
+ * fused q/k/v's three segments) thus pay one fork and two barriers, not one fork and two barriers each, and
  * each call's units are exactly those it would run alone: a row's bits do not depend on the batch. */
 #define QGEMM_CALLS(S, T)                                                                          \
 void qgemm_calls_##S(const QGemmCall *calls, int64_t count) {                                      \
