@@ -6,6 +6,11 @@ The logits are compared through each step's top-5 logprobs, which are functions 
 equal floats there and equal tokens everywhere mean the rows did not move by a bit on the way."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,3 +96,26 @@ def test_same_request_same_logits(name: str, reference: list) -> None:
         assert stats["num_preemptions"] > 0, "the pool is small enough to force preemption"
     if engine_args.get("enable_prefix_caching", True) and name != "static":
         assert stats["prefix_cache_hits"] > 0, "the repeat hit the prefix cache"
+
+
+def comparable(results: list[tuple[list[int], list[Any]]]) -> list:
+    """(tokens, per-step logprobs) as JSON gives them back: token ids as keys become strings."""
+    return [[tokens, [{str(t): lp for t, lp in step.items()} for step in steps]] for tokens, steps in results]
+
+
+TWO_THREADS = """
+import json
+from tests.test_batch_invariance import bf16, comparable, run
+print(json.dumps(comparable(run(bf16()))))
+"""
+
+
+def test_same_logits_on_two_threads(reference: list) -> None:
+    """`make test` runs each file on one thread; here the probes run in their crowd in a process on two
+    (every GEMM's units, the attention's spans and the layer ops split between the threads): the same
+    tokens and logprobs as each alone on this process's threads."""
+    root = Path(__file__).parent.parent
+    out = subprocess.run([sys.executable, "-c", TWO_THREADS], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == comparable(reference)
