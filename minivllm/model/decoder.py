@@ -272,7 +272,6 @@ class Attention(nn.Module):
                             self.sink_logits)
         return self.o_proj(o.flatten(1))
 
-
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The q and k norms of each head of q [T, heads, d] and k [T, kv_heads, d], in place where native."""
         if self.ops is None:

@@ -11,10 +11,10 @@
  * The KV pool's format (--kv-cache-dtype) picks the attention kernel and, for a quantized pool, the
  * KV write: the model description carries both, as kernels.py chose them.
  *
- * The family switches (model_config.py) that a layer reads are in its description: q/k norms (per head
- * or over the projection), which
- * rotary table (or none), its sliding window, Gemma's norms after attention and after the MLP; the
- * model's: partial rotary, the activation, the attention softcap, Granite's residual multiplier.
+ * The family switches (model_config.py) that a layer reads are in its description: q/k norms (per head,
+ * or over the whole projection as OLMoE's), which rotary table (or none), its sliding window, Gemma's
+ * norms after attention and after the MLP; the model's: partial rotary, the activation, the attention
+ * softcap, Granite's residual multiplier.
  * A step serving LoRA adapters passes its segments (runs of rows of one adapter, as lora/layers.py's
  * LoRAContext makes them): each linear adds them with lora.c's kernel right after its GEMM, as
  * decoder.Linear's lora hook does in the Python loop.
