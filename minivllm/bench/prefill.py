@@ -6,9 +6,9 @@ share of this machine's peaks for the model's work (its layers' matrix products 
 and PV over the causal context), measured in the same run: the AMX tiles' bf16 peak from registers (no
 memory; `amx_peak_ops`) where the CPU has them, and torch's own matrix product at 2,048^3 in the
 engine's dtype (bf16 on oneDNN, on the tiles where there are any; float32 where the CPU has no bf16
-arithmetic, whose bf16 product torch only emulates), the rate a real GEMM reaches. With --llama-bench PATH, llama.cpp's
-`llama-bench -p N -n 0` runs on the same file at each length in the same sitting (the better of flash
-attention off and on), and --plot draws both engines' rates against the context as a PNG.
+arithmetic, whose bf16 product torch only emulates), the rate a real GEMM reaches. With --llama-bench
+PATH, llama.cpp's `llama-bench -p N -n 0` runs on the same file at each length in the same sitting (the
+better of flash attention off and on), and --plot draws both engines' rates against the context as a PNG.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ static void route_token(const float *logits, int64_t E, int64_t K, int64_t routi
     }
 }
 
-#define MOE_BATCH_ROWS 256  /* the rows a batch of experts may take (M where a step has more): a decode step's all */
+#define MOE_BATCH_ROWS 256  /* a batch of experts takes up to max(M, this) rows: a decode step's all at once */
 
 #define DEFINE_MOE(S, T, W, LOAD, STORE)                                                                   \
 void gemm_##S(const T *x, int64_t ldx, const W *w, const float *bias, T *out, int64_t ldo,              \

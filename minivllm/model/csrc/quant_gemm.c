@@ -710,7 +710,7 @@ static inline int unit_panels(int sub, int64_t panels, int64_t pn) {
     return QPAIRS && sub == 1 && pn + 1 < panels ? 2 : 1;
 }
 
-/* A call's shape: its panels, work units (row blocks x panel units) and quantized activations' bytes. */
+/* A call's shape: its format, its panels and panel units, its row blocks, a panel's bytes. */
 typedef struct {
     Format f;
     int sub, pair;
@@ -778,10 +778,12 @@ static void qgemm_unit_##S(const QGemmCall *c, const Shape *s, const int8_t *x8,
 
 /* Every call of a batch in one parallel region: first all their rows quantized, then all their work
  * units (row blocks outer, collapsed with the units, so that the threads share any row count evenly and a
- * row block's activations stay in cache while the units pass over them), each thread taking an even
- * share of the batch's units in one contiguous run. A decode step's chosen experts' small GEMMs (or a
- * fused q/k/v's three segments) thus pay one fork and two barriers, not one fork and two barriers each, and
- * each call's units are exactly those it would run alone: a row's bits do not depend on the batch. */
+ * row block's activations stay in cache while the units pass over them: units outer streamed all of x8
+ * once per unit, 10 MB a unit for a 2,048-row down projection, which bound the tiles), each thread
+ * taking an even share of the batch's units in one contiguous run. A decode step's chosen experts' small
+ * GEMMs (or a fused q/k/v's three segments) thus pay one fork and two barriers, not one fork and two
+ * barriers each, and each call's units are exactly those it would run alone: a row's bits do not depend
+ * on the batch. */
 #define QGEMM_CALLS(S, T)                                                                          \
 void qgemm_calls_##S(const QGemmCall *calls, int64_t count) {                                      \
     Shape shapes[count];                                                                           \
