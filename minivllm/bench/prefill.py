@@ -25,6 +25,7 @@ import torch
 from minivllm.bench.roofline import best_time, model_gemms, tile_peaks
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.loader import resolve_model_path
 from minivllm.model.model_config import ModelConfig
 from minivllm.sampling_params import SamplingParams
 
@@ -102,7 +103,7 @@ def run_prefill(config: EngineConfig, lengths: list[int], runs: int = 1, llama_b
         for p in points:
             if progress:
                 progress(f"llama-bench -p {p.input_len}")
-            p.llama_cpp_tokens_per_s = llama_bench_rate(llama_bench, Path(config.model), p.input_len, threads,
+            p.llama_cpp_tokens_per_s = llama_bench_rate(llama_bench, resolve_model_path(config.model), p.input_len, threads,
                                                         flash_attention)
     return points, measure_peaks(config.torch_device, config.torch_dtype)
 
