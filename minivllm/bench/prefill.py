@@ -100,11 +100,11 @@ def run_prefill(config: EngineConfig, lengths: list[int], runs: int = 1, llama_b
     engine.close()
     if llama_bench:
         threads = int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
+        model_file = resolve_model_path(config.model)  # the default model's file where none was named
         for p in points:
             if progress:
                 progress(f"llama-bench -p {p.input_len}")
-            p.llama_cpp_tokens_per_s = llama_bench_rate(llama_bench, resolve_model_path(config.model), p.input_len, threads,
-                                                        flash_attention)
+            p.llama_cpp_tokens_per_s = llama_bench_rate(llama_bench, model_file, p.input_len, threads, flash_attention)
     return points, measure_peaks(config.torch_device, config.torch_dtype)
 
 
