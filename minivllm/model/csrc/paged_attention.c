@@ -42,6 +42,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "kv_quant.h"
+#include "simd.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
@@ -207,6 +208,98 @@ static inline __attribute__((always_inline)) void values16(int64_t head_dim, int
         }
 }
 
+/* AVX2: tiles of (query, head) rows, for the flash task below. With 8-float vectors the general loops
+ * load a K or V row per FMA and ran at about 45 % of the FMA units' peak (perf, a 6k prefill). Here
+ * several rows of a task (any of its queries and heads that see the block) share each row load: a score
+ * is one chain of FMAs over d, a value sum one chain over the block's tokens per dimension, the same
+ * whatever rows share the call, so each query still depends on its own context alone. */
+#if defined(SIMD_AVX2)
+#define SCORE_ROWS 6  /* 2 accumulators a row, 2 loaded K rows and a broadcast: 15 of the 16 registers */
+
+static inline int row_tiles(int64_t head_dim, int64_t block_size) { return block_size == 2 * LANES && head_dim % (4 * LANES) == 0; }
+
+/* out[r][t] = sum_d q[r][d] K[d][t] for R rows, over one block (K transposed: [head_dim][2 * LANES]). */
+#define DEFINE_SCORE_ROWS(R)                                                                            \
+static inline __attribute__((always_inline)) void score_rows_##R(const float *restrict k, int64_t head_dim, \
+                                                                const float *const *q, float *const *out) { \
+    vec s[R][2];                                                                                        \
+    for (int r = 0; r < R; r++) s[r][0] = s[r][1] = vec_zero();                                         \
+    for (int64_t d = 0; d < head_dim; d++) {                                                            \
+        const vec k0 = vec_load(k + d * 2 * LANES), k1 = vec_load(k + d * 2 * LANES + LANES);           \
+        for (int r = 0; r < R; r++) {                                                                   \
+            const vec qd = vec_set1(q[r][d]);                                                           \
+            s[r][0] = vec_fmadd(qd, k0, s[r][0]);                                                       \
+            s[r][1] = vec_fmadd(qd, k1, s[r][1]);                                                       \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int r = 0; r < R; r++) vec_store(out[r], s[r][0]), vec_store(out[r] + LANES, s[r][1]);        \
+}
+
+/* acc[r][d] += sum over t < n of p[r][t] V[t][d] for R rows, W * LANES dimensions at a time, token by
+ * token (V: [tokens][head_dim]). A dimension's sum is the same chain whatever R and W: prefill's many
+ * rows take 6 at a time, 2 vectors wide (one V row load per 6 rows); a decode's few take 4 vectors, so
+ * that 12 independent sums hide the FMA's latency. */
+#define DEFINE_VALUE_ROWS(R, W)                                                                         \
+static inline __attribute__((always_inline)) void value_rows_##R##_##W(const float *restrict v, int64_t head_dim, \
+                                                                      const float *const *p, int64_t n, float *const *acc) { \
+    for (int64_t d0 = 0; d0 < head_dim; d0 += W * LANES) {                                              \
+        vec a[R][W];                                                                                    \
+        for (int r = 0; r < R; r++)                                                                     \
+            for (int i = 0; i < W; i++) a[r][i] = vec_load(acc[r] + d0 + i * LANES);                    \
+        for (int64_t t = 0; t < n; t++) {                                                               \
+            vec row[W];                                                                                 \
+            for (int i = 0; i < W; i++) row[i] = vec_load(v + t * head_dim + d0 + i * LANES);           \
+            for (int r = 0; r < R; r++) {                                                               \
+                const vec w = vec_set1(p[r][t]);                                                        \
+                for (int i = 0; i < W; i++) a[r][i] = vec_fmadd(w, row[i], a[r][i]);                    \
+            }                                                                                           \
+        }                                                                                               \
+        for (int r = 0; r < R; r++)                                                                     \
+            for (int i = 0; i < W; i++) vec_store(acc[r] + d0 + i * LANES, a[r][i]);                    \
+    }                                                                                                   \
+}
+
+DEFINE_SCORE_ROWS(1) DEFINE_SCORE_ROWS(2) DEFINE_SCORE_ROWS(3) DEFINE_SCORE_ROWS(4) DEFINE_SCORE_ROWS(5) DEFINE_SCORE_ROWS(6)
+DEFINE_VALUE_ROWS(6, 2) DEFINE_VALUE_ROWS(3, 4) DEFINE_VALUE_ROWS(2, 4) DEFINE_VALUE_ROWS(1, 4)
+
+/* Scores of `count` rows, SCORE_ROWS at a time. */
+static inline void score_rows(const float *k, int64_t head_dim, const float *const *q, float *const *out, int64_t count) {
+    for (int64_t i = 0; i < count; i += SCORE_ROWS) {
+        switch (count - i) {
+            case 1: score_rows_1(k, head_dim, q + i, out + i); break;
+            case 2: score_rows_2(k, head_dim, q + i, out + i); break;
+            case 3: score_rows_3(k, head_dim, q + i, out + i); break;
+            case 4: score_rows_4(k, head_dim, q + i, out + i); break;
+            case 5: score_rows_5(k, head_dim, q + i, out + i); break;
+            default: score_rows_6(k, head_dim, q + i, out + i); break;
+        }
+    }
+}
+
+/* Value sums of `count` rows that all take the block's first n tokens. */
+static inline void value_rows(const float *v, int64_t head_dim, const float *const *p, int64_t n, float *const *acc,
+                              int64_t count) {
+    int64_t i = 0;
+    for (; i + 6 <= count; i += 6) value_rows_6_2(v, head_dim, p + i, n, acc + i);
+    for (; i < count; i += 3) {
+        switch (count - i) {
+            case 1: value_rows_1_4(v, head_dim, p + i, n, acc + i); break;
+            case 2: value_rows_2_4(v, head_dim, p + i, n, acc + i); break;
+            default: value_rows_3_4(v, head_dim, p + i, n, acc + i); break;
+        }
+    }
+}
+#else  /* the flash task is built everywhere and called where row_tiles() says so */
+static inline int row_tiles(int64_t head_dim, int64_t block_size) { (void)head_dim, (void)block_size; return 0; }
+static inline void score_rows(const float *k, int64_t head_dim, const float *const *q, float *const *out, int64_t count) {
+    (void)k, (void)head_dim, (void)q, (void)out, (void)count;
+}
+static inline void value_rows(const float *v, int64_t head_dim, const float *const *p, int64_t n, float *const *acc,
+                              int64_t count) {
+    (void)v, (void)head_dim, (void)p, (void)n, (void)acc, (void)count;
+}
+#endif
+
 /* The first token a query with `ctx` tokens of context sees: ctx - window under a sliding window (the
  * query itself and the window - 1 before it, as transformers masks), else 0. window 0: none. */
 static inline int64_t first_visible(int64_t ctx, int64_t window) { return window && ctx > window ? ctx - window : 0; }
@@ -352,6 +445,152 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t j = 0; j < nq; j++)                                                                       \
         for (int64_t g = 0; g < group; g++)                                                                \
             for (int64_t d = 0; d < head_dim; d++) out[j * out_stride + g * head_dim + d] = STORE(acc[j][g][d]); \
+}
+
+/* -- Row tiles with an online softmax (AVX2) -----------------------------------------------------------
+ *
+ * The vector task above keeps a score row as long as each query's context (8 queries times the group's
+ * heads times 6,000 tokens: 576 KB at SmolLM2's shapes, more than Zen 3's L2), and its AVX2 loops load a
+ * K or V row per FMA. This task is flash attention's order: it walks the context STEP_BLOCKS blocks at
+ * a time, aligned to absolute positions; per step the scores of every row that sees the step (row tiles
+ * sharing each K row), then per row the step's max m, p = e^(s - m) and the running sum l (SUM_LANES
+ * partial sums, added up at the end), the row's sums rescaled by e^(m_old - m) where the max rose, then
+ * p . V (row tiles sharing each V row). The output is the sums over l. A float32 pool is read where it
+ * lies (a block's K rows serve every row tile from L1). On Zen 3 a 6,000-token prefill's attention took
+ * 0.80 times the vector task's time (SmolLM2's and Qwen2.5-0.5B's shapes, one layer, alternated).
+ * A row's arithmetic depends on its own context alone: the steps it sees, in order, each summed over
+ * all its STEP_BLOCKS * block_size positions (0 where it sees none), so its bits are the same in a
+ * prefill, a chunk or a decode, whatever else runs. */
+#define STEP_BLOCKS 8
+#define STEP_KEYS (STEP_BLOCKS * 16)  /* row_tiles() takes blocks of 16 tokens */
+#define SUM_LANES 8  /* a row's running sum l, in this many partial sums (added up at the end) */
+
+/* e^x for EXP_FLOOR <= x <= 0, to float32 precision: 2^(x log2 e) as an integer power of two times
+ * 2^f, f in [-0.5, 0.5], by a degree-6 polynomial (the AMX path's, error below 2e-7). Plain C that
+ * vectorizes in the loop below: the vector library's expf cost about as much as a score's FMAs. */
+static inline float exp_nonpositive(float x) {
+    const float t = x * 1.44269504f, n = __builtin_floorf(t + 0.5f), f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 0.24022651f;
+    p = p * f + 0.69314718f;
+    p = p * f + 1.f;
+    union { uint32_t u; float f; } scale = {.u = (uint32_t)((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* One row's softmax step over its scores s at positions pos0 .. pos0 + n - 1, of which it sees lo ..
+ * ctx - 1: s becomes p = e^(s - m) (0 where unseen), with m the row's running max; its sums l and acc
+ * are rescaled by e^(m_old - m) and l gets the step's p (n a multiple of SUM_LANES). One compiled body
+ * for every caller (noinline), so -ffast-math contracts it the same way everywhere. */
+__attribute__((noinline)) static void online_softmax_step(float *restrict s, int64_t n, int64_t pos0, int64_t lo,
+                                                          int64_t ctx, float softcap, float *m, int *started,
+                                                          float *restrict l, float *restrict acc, int64_t head_dim) {
+    const int64_t t0 = lo > pos0 ? lo - pos0 : 0, t1 = ctx - pos0 < n ? ctx - pos0 : n;
+    if (softcap > 0.f)
+        for (int64_t t = t0; t < t1; t++) s[t] = softcap * tanhf(s[t] / softcap);
+    float step_max = s[t0];
+    for (int64_t t = t0 + 1; t < t1; t++) step_max = s[t] > step_max ? s[t] : step_max;
+    const float top = *started && *m > step_max ? *m : step_max;
+    const float alpha = *started ? expf(*m - top) : 0.f;  /* exactly 1 while the max holds */
+    _Pragma("omp simd")
+    for (int64_t t = 0; t < n; t++) {  /* unseen positions by index: their scores may be anything */
+        const float x = s[t] - top, e = exp_nonpositive(x > EXP_FLOOR ? x : EXP_FLOOR);
+        s[t] = t >= t0 && t < t1 ? e : 0.f;
+    }
+    float sum[SUM_LANES];
+    for (int i = 0; i < SUM_LANES; i++) sum[i] = 0.f;
+    for (int64_t t = 0; t < n; t += SUM_LANES)
+        for (int i = 0; i < SUM_LANES; i++) sum[i] += s[t + i];
+    for (int i = 0; i < SUM_LANES; i++) l[i] = l[i] * alpha + sum[i];
+    if (alpha != 1.f)
+        for (int64_t d = 0; d < head_dim; d++) acc[d] *= alpha;
+    *m = top;
+    *started = 1;
+}
+
+/* One task (same arguments as the vector task's, without its score rows). */
+#define DEFINE_FLASH_TASK(NAME, T, C, LOAD, STORE, TILE, SCALED)                                               \
+static void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, const float *k_scale,        \
+                 const float *v_scale, int64_t scale_tile, const int64_t *table, int64_t ctx0, int64_t nq,       \
+                 int64_t group, int64_t head_dim, int64_t block_size, int64_t tile, float scale, T *out,         \
+                 int64_t out_stride, int64_t window, float softcap, const float *sinks) {                       \
+    enum { ROWS = Q_TILE * MAX_GROUP };                                                                    \
+    _Alignas(64) float qf[ROWS][MAX_HEAD_DIM], acc[ROWS][MAX_HEAD_DIM], p[ROWS][STEP_KEYS];                 \
+    _Alignas(64) float l[ROWS][SUM_LANES];                                                                 \
+    float m[ROWS];                                                                                         \
+    int started[ROWS];                                                                                     \
+    int64_t ctx[ROWS], lo[ROWS];  /* row r's context and the first token it sees */                      \
+    tile_t tile_buf;                                                                                       \
+    const float *kv = tile_buf.f;                                                                          \
+    enum { IN_PLACE = sizeof(C) == sizeof(float) && !SCALED };  /* a float32 pool is read where it lies */ \
+    const int64_t rows = nq * group, step_keys = STEP_BLOCKS * block_size;                                 \
+    const int64_t ctx_max = ctx0 + nq - 1, num_blocks = (ctx_max + block_size - 1) / block_size;          \
+    for (int64_t r = 0; r < rows; r++) {  /* row r: query r / group, head r % group */                   \
+        for (int64_t d = 0; d < head_dim; d++)                                                             \
+            qf[r][d] = LOAD(q[r / group * q_stride + r % group * head_dim + d]) * scale, acc[r][d] = 0.f;  \
+        for (int i = 0; i < SUM_LANES; i++) l[r][i] = 0.f;                                                 \
+        started[r] = 0, ctx[r] = ctx0 + r / group, lo[r] = first_visible(ctx[r], window);                   \
+    }                                                                                                      \
+    const int64_t b0 = first_visible(ctx0, window) / block_size / STEP_BLOCKS * STEP_BLOCKS;               \
+    for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS && b < num_blocks; b++)                                  \
+        prefetch_tile(k_cache + table[b] * tile, head_dim * block_size * sizeof(C));                       \
+    for (int64_t sb = b0; sb < num_blocks; sb += STEP_BLOCKS) {                                            \
+        const int64_t nb = num_blocks - sb < STEP_BLOCKS ? num_blocks - sb : STEP_BLOCKS;                  \
+        const int64_t pos0 = sb * block_size;                                                              \
+        for (int64_t b = sb; b < sb + nb; b++) {  /* scores: p[r][t] = q . K[t] */                        \
+            const C *k = k_cache + table[b] * tile;                                                        \
+            if (b + PREFETCH_BLOCKS < num_blocks)                                                          \
+                prefetch_tile(k_cache + table[b + PREFETCH_BLOCKS] * tile, head_dim * block_size * sizeof(C)); \
+            prefetch_tile(v_cache + table[b] * tile, head_dim * block_size * sizeof(C));                   \
+            if (IN_PLACE) kv = (const float *)k; else TILE(k, &tile_buf, head_dim * block_size);            \
+            const float *qs[ROWS];                                                                         \
+            float *outs[ROWS];                                                                             \
+            int64_t count = 0;                                                                             \
+            for (int64_t r = 0; r < rows; r++)                                                             \
+                if (b * block_size < ctx[r] && (b + 1) * block_size > lo[r])                               \
+                    qs[count] = qf[r], outs[count++] = p[r] + (b - sb) * block_size;                       \
+            score_rows(kv, head_dim, qs, outs, count);                                                     \
+            if (SCALED) {  /* each token's K scale multiplies its score */                                \
+                const float *ks = k_scale + table[b] * scale_tile;                                         \
+                for (int64_t i = 0; i < count; i++)                                                        \
+                    for (int64_t t = 0; t < block_size; t++) outs[i][t] *= ks[t];                          \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int64_t r = 0; r < rows; r++) {  /* the online softmax step of each row that sees the step */ \
+            if (pos0 >= ctx[r] || pos0 + step_keys <= lo[r]) continue;                                     \
+            online_softmax_step(p[r], step_keys, pos0, lo[r], ctx[r], softcap, &m[r], &started[r], l[r], acc[r], head_dim); \
+        }                                                                                                  \
+        for (int64_t b = sb; b < sb + nb; b++) {  /* acc[r] += p[r] . V, rows that take the same n tokens at once */ \
+            const C *v = v_cache + table[b] * tile;                                                        \
+            const int64_t keys = ctx_max - b * block_size < block_size ? ctx_max - b * block_size : block_size; \
+            if (IN_PLACE) kv = (const float *)v; else TILE(v, &tile_buf, keys * head_dim);                  \
+            const float *vs = SCALED ? v_scale + table[b] * scale_tile : NULL;                             \
+            const float *ps[ROWS];                                                                         \
+            float *accs[ROWS];                                                                             \
+            int64_t count = 0, run_n = 0;                                                                  \
+            for (int64_t r = 0; r < rows; r++) {                                                           \
+                if (b * block_size >= ctx[r] || (b + 1) * block_size <= lo[r]) continue;                   \
+                const int64_t n = ctx[r] - b * block_size < block_size ? ctx[r] - b * block_size : block_size; \
+                float *pr = p[r] + (b - sb) * block_size;                                                  \
+                if (SCALED)  /* each token's V scale multiplies its weight */                             \
+                    for (int64_t t = 0; t < n; t++) pr[t] *= vs[t];                                        \
+                if (count && n != run_n) value_rows(kv, head_dim, ps, run_n, accs, count), count = 0;     \
+                run_n = n, ps[count] = pr, accs[count++] = acc[r];                                         \
+            }                                                                                              \
+            if (count) value_rows(kv, head_dim, ps, run_n, accs, count);                                   \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int64_t r = 0; r < rows; r++) {                                                                   \
+        float sum = 0.f;                                                                                   \
+        for (int i = 0; i < SUM_LANES; i++) sum += l[r][i];                                                \
+        if (sinks) sum += expf(fminf(sinks[r % group] - m[r], 80.f));  /* as softmax_row */                \
+        const float inv = 1.f / sum;                                                                       \
+        T *o = out + r / group * out_stride + r % group * head_dim;                                        \
+        for (int64_t d = 0; d < head_dim; d++) o[d] = STORE(acc[r][d] * inv);                              \
+    }                                                                                                      \
 }
 
 /* -- AMX: prefill and decode attention as tile matrix work (bf16 pool, CPUs with AMX-BF16) ----------
@@ -674,6 +913,7 @@ static int paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16
  * are left alone. */
 #define DEFINE_KERNEL(NAME, T, C, LOAD, STORE, TILE, SCALED)                                                   \
 DEFINE_TASK(NAME##_task, T, C, LOAD, STORE, TILE, SCALED)                                                        \
+DEFINE_FLASH_TASK(NAME##_flash, T, C, LOAD, STORE, TILE, SCALED)                                                 \
 void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, const float *k_scale,          \
           const float *v_scale, const int64_t *block_tables,                                                \
           int64_t max_blocks, const int64_t *span_start, const int64_t *span_len, const int64_t *span_ctx0, \
@@ -697,7 +937,7 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
             const int64_t s = tasks[n][0], i = tasks[n][1], start = span_start[s] + i;                     \
             const int64_t nq = span_len[s] - i < Q_TILE ? span_len[s] - i : Q_TILE, ctx0 = span_ctx0[s] + i; \
             const int64_t row = round_up(round_up(ctx0 + nq - 1, block_size), SCORE_ALIGN);                \
-            float *scores = aligned_alloc(64, sizeof(float) * nq * group * row);                           \
+            float *scores = row_tiles(head_dim, block_size) ? NULL : aligned_alloc(64, sizeof(float) * nq * group * row); \
             const T *qh = q + start * q_stride + kh * group * head_dim;                                    \
             T *oh = out + start * out_stride + kh * group * head_dim;                                      \
             const C *k = k_cache + kh * head_tile, *v = v_cache + kh * head_tile;                          \
@@ -706,7 +946,10 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
             const int64_t *table = block_tables + s * max_blocks;                                          \
             const float *sk = sinks ? sinks + kh * group : NULL;                                           \
             /* Literal sizes for the common shapes let the compiler unroll and keep tiles in registers. */ \
-            if (head_dim == 64 && block_size == 16)                                                        \
+            if (row_tiles(head_dim, block_size))                                                           \
+                NAME##_flash(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, head_dim, block_size, tile, scale, oh, \
+                             out_stride, window, softcap, sk);                                             \
+            else if (head_dim == 64 && block_size == 16)                                                   \
                 NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 64, 16, tile, scale, oh, out_stride, scores, row, window, softcap, sk); \
             else if (head_dim == 128 && block_size == 16)                                                  \
                 NAME##_task(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, 128, 16, tile, scale, oh, out_stride, scores, row, window, softcap, sk); \
