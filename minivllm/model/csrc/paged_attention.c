@@ -462,6 +462,7 @@ static inline __attribute__((always_inline)) void NAME(                         
  * all its STEP_BLOCKS * block_size positions (0 where it sees none), so its bits are the same in a
  * prefill, a chunk or a decode, whatever else runs. */
 #define STEP_BLOCKS 8
+#define FLASH_ROWS 128  /* (query, head) rows of a task: a long context is read once for up to 128 / group queries */
 #define STEP_KEYS (STEP_BLOCKS * 16)  /* row_tiles() takes blocks of 16 tokens */
 #define SUM_LANES 8  /* a row's running sum l, in this many partial sums (added up at the end) */
 
@@ -517,7 +518,7 @@ static void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cach
                  const float *v_scale, int64_t scale_tile, const int64_t *table, int64_t ctx0, int64_t nq,       \
                  int64_t group, int64_t head_dim, int64_t block_size, int64_t tile, float scale, T *out,         \
                  int64_t out_stride, int64_t window, float softcap, const float *sinks) {                       \
-    enum { ROWS = Q_TILE * MAX_GROUP };                                                                    \
+    enum { ROWS = FLASH_ROWS };                                                                            \
     _Alignas(64) float qf[ROWS][MAX_HEAD_DIM], acc[ROWS][MAX_HEAD_DIM], p[ROWS][STEP_KEYS];                 \
     _Alignas(64) float l[ROWS][SUM_LANES];                                                                 \
     float m[ROWS];                                                                                         \
@@ -922,12 +923,14 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
     const int64_t group = num_heads / num_kv_heads, head_tile = head_dim * block_size;                     \
     const int64_t tile = num_kv_heads * head_tile, out_stride = num_heads * head_dim;                      \
     const int64_t scale_tile = num_kv_heads * block_size;                                                  \
-    /* Tasks (span, query tile), the most expensive (longest context) first, for load balance. */        \
+    /* Tasks (span, query tile), the most expensive (longest context) first, for load balance. The flash \
+     * task takes as many queries as its FLASH_ROWS rows hold: each reads its context once for them all. */ \
+    const int64_t per_task = row_tiles(head_dim, block_size) ? FLASH_ROWS / group : Q_TILE;                \
     int64_t num_tiles = 0;                                                                                 \
-    for (int64_t s = 0; s < num_spans; s++) num_tiles += (span_len[s] + Q_TILE - 1) / Q_TILE;              \
+    for (int64_t s = 0; s < num_spans; s++) num_tiles += (span_len[s] + per_task - 1) / per_task;          \
     int64_t (*tasks)[2] = malloc(sizeof(int64_t[2]) * num_tiles);                                          \
     for (int64_t s = 0, n = 0; s < num_spans; s++)                                                         \
-        for (int64_t i = (span_len[s] - 1) / Q_TILE * Q_TILE; i >= 0; i -= Q_TILE) { tasks[n][0] = s; tasks[n++][1] = i; } \
+        for (int64_t i = (span_len[s] - 1) / per_task * per_task; i >= 0; i -= per_task) { tasks[n][0] = s; tasks[n++][1] = i; } \
     /* A sequence's heads go to one thread, one after the other, when there are enough tiles to share   \
      * out: its blocks then stream through one core's cache. */                                          \
     const int64_t chunk = num_tiles >= 8 ? num_kv_heads : 1;                                               \
@@ -935,7 +938,7 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
     for (int64_t n = 0; n < num_tiles; n++)                                                                \
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {                                                    \
             const int64_t s = tasks[n][0], i = tasks[n][1], start = span_start[s] + i;                     \
-            const int64_t nq = span_len[s] - i < Q_TILE ? span_len[s] - i : Q_TILE, ctx0 = span_ctx0[s] + i; \
+            const int64_t nq = span_len[s] - i < per_task ? span_len[s] - i : per_task, ctx0 = span_ctx0[s] + i; \
             const int64_t row = round_up(round_up(ctx0 + nq - 1, block_size), SCORE_ALIGN);                \
             float *scores = row_tiles(head_dim, block_size) ? NULL : aligned_alloc(64, sizeof(float) * nq * group * row); \
             const T *qh = q + start * q_stride + kh * group * head_dim;                                    \
