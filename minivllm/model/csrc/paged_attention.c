@@ -54,6 +54,10 @@
 #define MASKED -1e30f      /* score of a padded slot (its weight is set to 0) */
 #define EXP_FLOOR -87.f    /* e^-87 is a normal float; the vector expf handles it in its fast path */
 
+/* 2^f for f in [-0.5, 0.5]: a degree-6 polynomial, highest power first (the Taylor series of e^(f ln 2);
+ * error below 2e-7), evaluated by Horner's rule in the AVX2 flash task's exp and the AMX path's. */
+static const float EXP2_POLY[7] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 0.24022651f, 0.69314718f, 1.f};
+
 /* A tile of K or V converted to float32. Written through `u` for bf16 (a shift per element, which
  * vectorizes), read through `f`: C11 allows reading a union through another member. */
 typedef union { float f[MAX_HEAD_DIM * MAX_BLOCK_SIZE]; uint32_t u[MAX_HEAD_DIM * MAX_BLOCK_SIZE]; } tile_t;
@@ -304,6 +308,11 @@ static inline void value_rows(const float *v, int64_t head_dim, const float *con
  * query itself and the window - 1 before it, as transformers masks), else 0. window 0: none. */
 static inline int64_t first_visible(int64_t ctx, int64_t window) { return window && ctx > window ? ctx - window : 0; }
 
+/* Whether a query that sees tokens lo .. ctx - 1 sees any token of block b. */
+static inline int block_seen(int64_t b, int64_t block_size, int64_t lo, int64_t ctx) {
+    return b * block_size < ctx && (b + 1) * block_size > lo;
+}
+
 /* The softmax of one query head's scores over its tokens lo .. ctx - 1, in place. The row is MASKED
  * before lo (a sliding window's start; the scores there may never have been computed) and from ctx to
  * `padded` (a multiple of SCORE_ALIGN, set by ctx alone); it is 64-byte aligned. `sink`, if not NULL,
@@ -467,17 +476,12 @@ static inline __attribute__((always_inline)) void NAME(                         
 #define SUM_LANES 8  /* a row's running sum l, in this many partial sums (added up at the end) */
 
 /* e^x for EXP_FLOOR <= x <= 0, to float32 precision: 2^(x log2 e) as an integer power of two times
- * 2^f, f in [-0.5, 0.5], by a degree-6 polynomial (the AMX path's, error below 2e-7). Plain C that
- * vectorizes in the loop below: the vector library's expf cost about as much as a score's FMAs. */
+ * 2^f, f in [-0.5, 0.5], by EXP2_POLY. Plain C that vectorizes in the loop below: the vector library's
+ * expf cost about as much as a score's FMAs. */
 static inline float exp_nonpositive(float x) {
     const float t = x * 1.44269504f, n = __builtin_floorf(t + 0.5f), f = t - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 0.24022651f;
-    p = p * f + 0.69314718f;
-    p = p * f + 1.f;
+    float p = EXP2_POLY[0];
+    for (int i = 1; i < 7; i++) p = p * f + EXP2_POLY[i];
     union { uint32_t u; float f; } scale = {.u = (uint32_t)((int32_t)n + 127) << 23};
     return p * scale.f;
 }
@@ -551,7 +555,7 @@ static void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cach
             float *outs[ROWS];                                                                             \
             int64_t count = 0;                                                                             \
             for (int64_t r = 0; r < rows; r++)                                                             \
-                if (b * block_size < ctx[r] && (b + 1) * block_size > lo[r])                               \
+                if (block_seen(b, block_size, lo[r], ctx[r]))                                               \
                     qs[count] = qf[r], outs[count++] = p[r] + (b - sb) * block_size;                       \
             score_rows(kv, head_dim, qs, outs, count);                                                     \
             if (SCALED) {  /* each token's K scale multiplies its score */                                \
@@ -573,7 +577,7 @@ static void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cach
             float *accs[ROWS];                                                                             \
             int64_t count = 0, run_n = 0;                                                                  \
             for (int64_t r = 0; r < rows; r++) {                                                           \
-                if (b * block_size >= ctx[r] || (b + 1) * block_size <= lo[r]) continue;                   \
+                if (!block_seen(b, block_size, lo[r], ctx[r])) continue;                                   \
                 const int64_t n = ctx[r] - b * block_size < block_size ? ctx[r] - b * block_size : block_size; \
                 float *pr = p[r] + (b - sb) * block_size;                                                  \
                 if (SCALED)  /* each token's V scale multiplies its weight */                             \
@@ -636,19 +640,14 @@ static inline __m512i interleave16(const uint16_t *a, const uint16_t *b) {
 }
 
 /* 2^t for t <= 0, to float32 precision: an integer and a fraction in [-0.5, 0.5], whose power of two
- * is a degree-6 polynomial (the Taylor series of e^(f ln 2); error below 2e-7). Scores come here already
+ * is EXP2_POLY. Scores come here already
  * times log2(e) (with the softmax scale, one multiply), so the softmax is e^(score - max). */
 static inline __m512 exp2_512(__m512 t) {
     t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(EXP2_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[i]));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -925,7 +924,8 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
     const int64_t scale_tile = num_kv_heads * block_size;                                                  \
     /* Tasks (span, query tile), the most expensive (longest context) first, for load balance. The flash \
      * task takes as many queries as its FLASH_ROWS rows hold: each reads its context once for them all. */ \
-    const int64_t per_task = row_tiles(head_dim, block_size) ? FLASH_ROWS / group : Q_TILE;                \
+    const int flash = row_tiles(head_dim, block_size);                                                     \
+    const int64_t per_task = flash ? FLASH_ROWS / group : Q_TILE;                                          \
     int64_t num_tiles = 0;                                                                                 \
     for (int64_t s = 0; s < num_spans; s++) num_tiles += (span_len[s] + per_task - 1) / per_task;          \
     int64_t (*tasks)[2] = malloc(sizeof(int64_t[2]) * num_tiles);                                          \
@@ -940,7 +940,7 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
             const int64_t s = tasks[n][0], i = tasks[n][1], start = span_start[s] + i;                     \
             const int64_t nq = span_len[s] - i < per_task ? span_len[s] - i : per_task, ctx0 = span_ctx0[s] + i; \
             const int64_t row = round_up(round_up(ctx0 + nq - 1, block_size), SCORE_ALIGN);                \
-            float *scores = row_tiles(head_dim, block_size) ? NULL : aligned_alloc(64, sizeof(float) * nq * group * row); \
+            float *scores = flash ? NULL : aligned_alloc(64, sizeof(float) * nq * group * row);              \
             const T *qh = q + start * q_stride + kh * group * head_dim;                                    \
             T *oh = out + start * out_stride + kh * group * head_dim;                                      \
             const C *k = k_cache + kh * head_tile, *v = v_cache + kh * head_tile;                          \
@@ -949,7 +949,7 @@ void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cache, cons
             const int64_t *table = block_tables + s * max_blocks;                                          \
             const float *sk = sinks ? sinks + kh * group : NULL;                                           \
             /* Literal sizes for the common shapes let the compiler unroll and keep tiles in registers. */ \
-            if (row_tiles(head_dim, block_size))                                                           \
+            if (flash)                                                                                     \
                 NAME##_flash(qh, q_stride, k, v, ks, vs, scale_tile, table, ctx0, nq, group, head_dim, block_size, tile, scale, oh, \
                              out_stride, window, softcap, sk);                                             \
             else if (head_dim == 64 && block_size == 16)                                                   \
