@@ -63,7 +63,7 @@ def test_every_format_decodes_as_the_gguf_package_does(qtype: str) -> None:
 def test_kernel_matches_twin_and_is_batch_invariant(qtype: str, dtype: torch.dtype, cpu_target: str) -> None:
     """On each target this machine runs: a partial panel of columns, a bias, 131 rows (past one 128-row
     block); the twin against a float matmul on the gguf package's weights; the kernel against the twin;
-    then every row alone: the same bits; and an embedding's rows."""
+    then every row alone, and two, three and four rows together: the same bits; and an embedding's rows."""
     kernel = quant_gemm(CPU, dtype)
     if kernel is None:
         pytest.skip(f"no native quantized kernel for {cpu_target} (no compiler, no simd.h section, or "
@@ -86,6 +86,8 @@ def test_kernel_matches_twin_and_is_batch_invariant(qtype: str, dtype: torch.dty
     alone = torch.cat([weight.linear(x[i:i + 1], bias) for i in range(rows)])
     assert torch.equal(alone, out)
     assert torch.equal(weight.linear(x[30:], bias), out[30:])  # another row block boundary
+    for first, last in [(0, 2), (5, 8), (9, 13)]:  # a few rows decode each block in registers once for all
+        assert torch.equal(weight.linear(x[first:last], bias), out[first:last])
     ids = torch.tensor([0, 17, 99, 5])
     torch.testing.assert_close(weight.rows(ids).float(), expected[ids].to(dtype).float(), atol=1e-6, rtol=2 ** -7)
 
