@@ -35,6 +35,7 @@
  * native vectors (AVX-512, AVX2, NEON); only the tile sizes differ (the registers). Every target does the
  * same integer sums and the same float32 steps per output, so the results are the same bits on each.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -757,6 +758,13 @@ static Shape shape_of(const QGemmCall *c) {
     return s;
 }
 
+/* What a unit of row block rb of call c costs, to share a batch's units evenly: its blocks, each decoded
+ * once (about half a row's dot products) and dotted with each of its rows. A step's experts differ in
+ * rows, so even counts of units left one thread with more of the work. */
+static inline int64_t unit_cost(const QGemmCall *c, int64_t rb) {
+    return c->K / 32 * (1 + 2 * qmin64(QROW_BLOCK, c->M - rb * QROW_BLOCK));
+}
+
 /* Unit `un` of row block `rb` of call c: its output columns for up to QROW_BLOCK rows. dec, acc: the
  * thread's scratch. */
 #define QGEMM_UNIT(S, T, STORE_N)                                                                  \
@@ -817,16 +825,16 @@ static void qgemm_unit_##S(const QGemmCall *c, const Shape *s, const int8_t *x8,
 #define QGEMM_CALLS(S, T)                                                                          \
 void qgemm_calls_##S(const QGemmCall *calls, int64_t count) {                                      \
     Shape shapes[count];                                                                           \
-    int64_t first_row[count + 1], first_unit[count + 1], x8_at[count + 1], meta_at[count + 1], work = 0; \
-    first_row[0] = first_unit[0] = x8_at[0] = meta_at[0] = 0;                                      \
+    int64_t first_row[count + 1], x8_at[count + 1], meta_at[count + 1], work = 0, total = 0;    \
+    first_row[0] = x8_at[0] = meta_at[0] = 0;                                                      \
     for (int64_t i = 0; i < count; i++) {                                                          \
         const QGemmCall *c = &calls[i];                                                            \
         shapes[i] = shape_of(c);                                                                   \
         first_row[i + 1] = first_row[i] + c->M;                                                    \
-        first_unit[i + 1] = first_unit[i] + shapes[i].row_blocks * shapes[i].units;                \
         x8_at[i + 1] = x8_at[i] + (c->M + 16) * c->K;  /* + a tile's rows: AMX reads whole tiles */ \
         meta_at[i + 1] = meta_at[i] + c->M * (c->K / 32);                                          \
         work += shapes[i].panels * c->K;                                                           \
+        for (int64_t rb = 0; rb < shapes[i].row_blocks; rb++) total += unit_cost(c, rb) * shapes[i].units; \
     }                                                                                              \
     int8_t *x8 = malloc((size_t)x8_at[count]);                                                     \
     RowBlock *meta = malloc(sizeof(RowBlock) * (size_t)meta_at[count]);                            \
@@ -844,14 +852,18 @@ void qgemm_calls_##S(const QGemmCall *calls, int64_t count) {                   
         }                                                                                          \
         uint8_t *dec = aligned_alloc(64, 2 * CHUNK * DECODED);                                     \
         float *acc = aligned_alloc(64, sizeof(float) * QROW_BLOCK * 2 * QPANEL);                   \
-        i = 0;                                                                                     \
-        _Pragma("omp for schedule(static)")                                                        \
-        for (int64_t g = 0; g < first_unit[count]; g++) {                                          \
-            while (g >= first_unit[i + 1]) i++;                                                    \
-            const int64_t local = g - first_unit[i];                                               \
-            qgemm_unit_##S(&calls[i], &shapes[i], x8 + x8_at[i], meta + meta_at[i],                \
-                           local / shapes[i].units, local % shapes[i].units, dec, acc);            \
-        }                                                                                          \
+        /* The units whose cumulative cost starts in this thread's share of the total, in order. */      \
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();                  \
+        const int64_t lo = total * me / threads, hi = total * (me + 1) / threads;                  \
+        for (int64_t ci = 0, before = 0; ci < count && before < hi; ci++)                             \
+            for (int64_t rb = 0; rb < shapes[ci].row_blocks && before < hi; rb++) {                 \
+                const int64_t cost = unit_cost(&calls[ci], rb), units = shapes[ci].units;            \
+                const int64_t first = lo > before ? (lo - before + cost - 1) / cost : 0;           \
+                const int64_t last = qmin64(units, (hi - before + cost - 1) / cost);               \
+                for (int64_t un = first; un < last; un++)                                          \
+                    qgemm_unit_##S(&calls[ci], &shapes[ci], x8 + x8_at[ci], meta + meta_at[ci], rb, un, dec, acc); \
+                before += cost * units;                                                            \
+            }                                                                                      \
         free(dec);                                                                                 \
         free(acc);                                                                                 \
     }                                                                                              \
