@@ -622,6 +622,7 @@ static void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cach
 #define AMX_ROWS 16         /* tile rows: (query, head) pairs */
 #define AMX_KV 32           /* keys per step: one tdpbf16ps's depth for P.V */
 #define AMX_TASK_ROWS 128   /* rows per task: its queries' state (acc, m, l) stays in L2 */
+#define AMX_AHEAD 2         /* steps of keys prefetched ahead */
 
 /* Every tile 16 rows of 64 bytes: tmm0-1 scores, the others the products' operands. */
 static inline void configure_attention_tiles(void) {
@@ -834,6 +835,12 @@ static void amx_task(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
     }
     configure_attention_tiles();
     for (int64_t pos0 = first_visible(ctx0, window) / AMX_KV * AMX_KV; pos0 < ctx_max; pos0 += AMX_KV) {
+        /* The K and V tiles AMX_AHEAD steps on: a decode's few rows leave the step too little work to hide
+         * a block's misses, and the blocks' jumps defeat the hardware prefetcher (prefetch_tile). */
+        for (int64_t pos = pos0 + AMX_AHEAD * AMX_KV; pos < pos0 + (AMX_AHEAD + 1) * AMX_KV && pos < ctx_max; pos += block_size) {
+            prefetch_tile(k_cache + table[pos / block_size] * tile, head_dim * block_size * sizeof(uint16_t));
+            prefetch_tile(v_cache + table[pos / block_size] * tile, head_dim * block_size * sizeof(uint16_t));
+        }
         repack_step(k_cache, v_cache, table, tile, block_size, head_dim, pos0, ctx_max, kp, vp);
         int64_t count = 0;  /* the tiles with a row that sees a key of the step */
         for (int64_t t = 0; t < tiles; t++) {
