@@ -25,8 +25,8 @@
  * order and float32 d and m. Each thread takes a unit of one or two panels and a block of up to 128 rows.
  * Up to four rows (a decode step, bound by the weight stream, or the few tokens that chose one expert)
  * use the decoded block in registers (`rows_fused`). More rows decode each chunk of 32 blocks (1,024 k)
- * into a buffer (`decode_block`) and run every tile of rows of the block over it, the tile's accumulators in registers within the chunk:
- * a prefill pays the decoding once per 128 rows. Both do the same integer sums and float steps per block,
+ * into a buffer (`decode_block`) and run every tile of rows of the block over it, the tile's
+ * accumulators in registers within the chunk: a prefill pays the decoding once per 128 rows. Both do the same integer sums and float steps per block,
  * so a row's bits do not depend on which one ran. The chunk and row block sizes change no bit, only the
  * speed: 32 blocks and 128 rows made the 0.5B model's layer GEMMs at 512 rows 17 % faster than 8 and 64
  * (477 against 408 GOPS, means of five alternating runs on a 2-core Zen 4), the same at 32 rows.
@@ -611,10 +611,11 @@ static void tile_any(const int8_t *x8, const RowBlock *meta, int64_t K, int64_t 
  * and block (that add was a quarter of the float steps: 0.78-0.91x the time at 512 rows). The sums are
  * the integers the vector path makes, and the float steps per block after them are tile_sub1's and
  * tile_sub2's, in the same order: so a row's bits are the same on the tiles, on the vector path and in
- * a batch-1 decode, and the choice between them (rows per block) changes no bit. A sub-2 format (groups of 16) takes two half products
- * (16 bytes of A, 4 rows of B). Blocks take two tile pairs in turn: a block's sums are stored a step
- * after its product was issued, so the unit multiplies the next block while the vector pipes apply the
- * last one's scales (stored right after the product, the store waited for it: 1.3x as long). */
+ * a batch-1 decode, and the choice between them (rows per block) changes no bit. A sub-2 format (groups
+ * of 16) takes two half products (16 bytes of A, 4 rows of B). Blocks take two tile pairs in turn: a
+ * block's sums are stored a step after its product was issued, so the unit multiplies the next block
+ * while the vector pipes apply the last one's scales (stored right after the product, the store waited
+ * for it: 1.3x as long). */
 #if defined(SIMD_AVX512) && defined(__AMX_INT8__)
 #define AMX_GEMM 1
 #define AMX_CHUNK amx_tiles_chunk
@@ -796,7 +797,7 @@ static void qgemm_unit_##S(const QGemmCall *c, const Shape *s, const int8_t *x8,
                 decode_any((int)c->qtype, w + (pn + p) * s->panel_bytes, kb, nb, dec + p * chunk_bytes); \
             if (AMX_GEMM && amx_tiles_ready() && m_end - m0 >= 16) {                               \
                 AMX_CHUNK(x8 + m0 * K, meta + m0 * blocks, K, kb, nb, dec, chunk_bytes, np, s->sub, \
-                          f.offset, f.has_min, (int)(m_end - m0), acc);                                      \
+                          f.offset, f.has_min, (int)(m_end - m0), acc);                            \
                 continue;                                                                          \
             }                                                                                      \
             for (int64_t r0 = m0; r0 < m_end; r0 += tile_rows) {                                   \
@@ -826,7 +827,7 @@ static void qgemm_unit_##S(const QGemmCall *c, const Shape *s, const int8_t *x8,
  * units (row blocks outer, collapsed with the units, so that the threads share any row count evenly and a
  * row block's activations stay in cache while the units pass over them: units outer streamed all of x8
  * once per unit, 10 MB a unit for a 2,048-row down projection, which bound the tiles), each thread
- * taking an even share of the batch's units in one contiguous run. A decode step's chosen experts' small
+ * taking an even share of the batch's cost (unit_cost) in one contiguous run of units. A decode step's chosen experts' small
  * GEMMs (or a fused q/k/v's three segments) thus pay one fork and two barriers, not one fork and two
  * barriers each, and each call's units are exactly those it would run alone: a row's bits do not depend
  * on the batch. */
