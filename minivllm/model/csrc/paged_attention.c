@@ -102,6 +102,14 @@ static inline void prefetch_tile(const void *tile, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)tile + i, 0, 1);
 }
 
+/* A tile's first two lines, ahead of its reads: enough for the L2's stream prefetcher to fetch the rest of
+ * it, without holding one of the core's few line-fill buffers per line as prefetch_tile does. Where
+ * decode attention reads from DRAM (12 streams at 4,000 tokens), 0.97x the step time of prefetch_tile's. */
+static inline void start_stream(const void *tile) {
+    __builtin_prefetch(tile, 0, 1);
+    __builtin_prefetch((const char *)tile + 64, 0, 1);
+}
+
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 /* The common shapes, head_dim 64 (SmolLM2, Qwen2.5-0.5B) or 128 (Llama 3, Qwen2.5-1.5B) and blocks of 16
@@ -836,10 +844,11 @@ static void amx_task(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
     configure_attention_tiles();
     for (int64_t pos0 = first_visible(ctx0, window) / AMX_KV * AMX_KV; pos0 < ctx_max; pos0 += AMX_KV) {
         /* The K and V tiles AMX_AHEAD steps on: a decode's few rows leave the step too little work to hide
-         * a block's misses, and the blocks' jumps defeat the hardware prefetcher (prefetch_tile). */
+         * a block's misses, and the blocks' jumps defeat the hardware prefetcher until it sees a block's
+         * first lines (start_stream). */
         for (int64_t pos = pos0 + AMX_AHEAD * AMX_KV; pos < pos0 + (AMX_AHEAD + 1) * AMX_KV && pos < ctx_max; pos += block_size) {
-            prefetch_tile(k_cache + table[pos / block_size] * tile, head_dim * block_size * sizeof(uint16_t));
-            prefetch_tile(v_cache + table[pos / block_size] * tile, head_dim * block_size * sizeof(uint16_t));
+            start_stream(k_cache + table[pos / block_size] * tile);
+            start_stream(v_cache + table[pos / block_size] * tile);
         }
         repack_step(k_cache, v_cache, table, tile, block_size, head_dim, pos0, ctx_max, kp, vp);
         int64_t count = 0;  /* the tiles with a row that sees a key of the step */
