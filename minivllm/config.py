@@ -58,6 +58,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = _flag("split long prompts over several steps", True)
     long_prefill_token_threshold: int = _flag("cap on one prompt's chunk per step (0: the budget)", 0)
     max_num_partial_prefills: int = _flag("prompts that may be cut mid-way in one step", 1)
+    long_prefill_interval: int = _flag("steps between the chunks of a prompt over the long-prefill threshold "
+                                       "while others decode (1: every step)", 1)
     schedule_order: str = _flag("who gets the token budget first", "decode-first", ("decode-first", "prefill-first"))
     scheduling_policy: str = _flag("order of the waiting queue and choice of preemption victims",
                                    "fcfs", ("fcfs", "sjf", "priority", "fair"))
@@ -92,7 +94,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size",
-                     "max_num_partial_prefills", "tensor_parallel_size"):
+                     "max_num_partial_prefills", "long_prefill_interval", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -71,6 +71,19 @@ def test_max_num_partial_prefills_limits_prompts_cut_midway():
     assert [n for _, n in out.scheduled] == [30, 30], "two prompts cut to the threshold, the rest wait"
 
 
+def test_a_long_prompt_beside_decodes_gets_its_chunk_every_interval_steps():
+    eng = FakeEngine(max_num_batched_tokens=64, long_prefill_token_threshold=8, long_prefill_interval=3,
+                     block_size=4, num_blocks=512)
+    eng.add("long", 64, 2)
+    assert [n for _, n in eng.step().scheduled] == [8], "alone: a chunk every step"
+    assert [n for _, n in eng.step().scheduled] == [8]
+    eng.add("stream", 4, 30)
+    assert sorted(n for _, n in eng.step().scheduled) == [4, 8], "the stream's prompt: nobody decodes yet"
+    chunks = [dict((s.request_id, n) for s, n in eng.step().scheduled).get("long", 0) for _ in range(6)]
+    assert chunks == [0, 0, 8, 0, 0, 8], "beside a decode: one chunk every 3 steps"
+    eng.run()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_random_workloads_keep_every_invariant(data):
@@ -86,6 +99,7 @@ def test_random_workloads_keep_every_invariant(data):
         max_num_seqs=data.draw(st.integers(1, 12)),
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=data.draw(st.sampled_from([0, 7, 32])),
+        long_prefill_interval=data.draw(st.sampled_from([1, 1, 3])),
         scheduling_policy=data.draw(st.sampled_from(["fcfs", "sjf", "priority", "fair"])),
         schedule_order=data.draw(st.sampled_from(["decode-first", "prefill-first"])),
         enable_prefix_caching=data.draw(st.booleans()),

@@ -149,6 +149,8 @@ class Scheduler(SchedulerBase):
         self.reserve_blocks = int(self.config.watermark * self.block_manager.num_blocks)
         # Without chunking, a prompt that found no room after the decodes gets the next step first.
         self._prefill_next = False
+        self.num_steps = 0
+        self._beside_decodes = False  # whether this step has decodes (a long prompt's chunk waits its turn)
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
@@ -158,6 +160,8 @@ class Scheduler(SchedulerBase):
         decodes, prefills = [], []
         for s in self.running:  # one pass, in running order (s.is_prefilling, inlined: it runs per sequence)
             (prefills if len(s.token_ids) - s.num_computed_tokens > 1 else decodes).append(s)
+        self.num_steps += 1
+        self._beside_decodes = bool(decodes)
         if self.config.schedule_order == "prefill-first" or self._prefill_next:
             self._prefill_next = False
             self._schedule_running(prefills, output)
@@ -179,6 +183,14 @@ class Scheduler(SchedulerBase):
                 return 0
         return n
 
+    def _waits_its_turn(self, seq: Sequence, num_uncomputed: int) -> bool:
+        """Whether a partial prompt over the long-prefill threshold sits this step out: beside decodes it
+        gets a chunk every `long_prefill_interval` steps. Each chunk reads the whole context so far, so a
+        bigger chunk less often costs the decodes less per prompt token than a small one every step."""
+        interval, threshold = self.config.long_prefill_interval, self.config.long_prefill_token_threshold
+        return (interval > 1 and bool(threshold) and num_uncomputed > threshold and self._beside_decodes
+                and seq.last_chunk_step is not None and self.num_steps - seq.last_chunk_step < interval)
+
     def _schedule_running(self, candidates: list[Sequence], output: SchedulerOutput) -> None:
         # Runs for every running sequence every step: properties are read once into locals.
         running, try_append = SequenceStatus.RUNNING, self.block_manager.try_append
@@ -191,7 +203,7 @@ class Scheduler(SchedulerBase):
                 if n and seq.spec_token_ids and self._schedule_draft(seq, output):
                     continue
             else:
-                n = self._chunk(seq, num_uncomputed)
+                n = 0 if self._waits_its_turn(seq, num_uncomputed) else self._chunk(seq, num_uncomputed)
             if n == 0:
                 continue
             while not try_append(seq, n):
@@ -202,6 +214,8 @@ class Scheduler(SchedulerBase):
             else:
                 self.num_partial += n < num_uncomputed
                 self.budget -= n
+                if num_uncomputed > 1:
+                    seq.last_chunk_step = self.num_steps
                 self._record(seq, n, output, n == 1 and num_uncomputed == 1 and len(seq.output_token_ids) > 0)
 
     def _schedule_draft(self, seq: Sequence, output: SchedulerOutput) -> bool:
@@ -247,6 +261,7 @@ class Scheduler(SchedulerBase):
                     return  # keep the policy's order: nobody jumps the head of the queue
             self.num_partial += n < num_uncomputed
             self.budget -= n
+            seq.last_chunk_step = self.num_steps
             self._admit(seq, n, hits, output)
 
     def _room_for(self, seq: Sequence, num_uncomputed: int, hits: list[int]) -> bool:

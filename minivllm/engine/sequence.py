@@ -30,6 +30,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # How many of `token_ids` already have their K/V in the cache.
     num_computed_tokens: int = 0
+    last_chunk_step: int | None = None  # the scheduler's step that last gave it prompt tokens
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of this sequence's full blocks (prefix caching), in block order.
     block_hashes: list[bytes] = field(default_factory=list)
