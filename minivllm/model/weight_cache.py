@@ -6,7 +6,11 @@ dtype, the quantization and the packed layout (quant.layout_key: one layout for 
 kernels are built for, so MINIVLLM_CPU_ARCH's builds share it). So the first start writes it under the
 cache directory, keyed by all four, and later starts map the file and use its tensors in place: no
 split, no pack, and pages shared with the OS page cache (the mapping is private: nothing is written
-back).
+back). Mapped on 2 MB pages where it can be: decode streams every weight once per token, and on 4 KB
+pages the TLB misses and the hardware prefetcher's stops at each page cost the 0.5B ~10 % of its decode
+step. The mapping asks for huge pages (MADV_HUGEPAGE), so a fault that reads the file brings in a 2 MB
+folio and maps it whole; save() leaves the written file out of the page cache, whose folios from the
+write would be small.
 
 One file per entry: 8 bytes of header length, a JSON header (the ModelConfig; per tensor its names,
 dtype, shape and offset; per quantized weight its names, k, and per segment its format, rows, shape and
@@ -56,6 +60,7 @@ def load(file: Path) -> tuple[ModelConfig, State] | None:
     try:
         with open(file, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        data.madvise(mmap.MADV_HUGEPAGE)  # see the module's docstring
         (length,) = struct.unpack_from("<Q", data)
         header = json.loads(data[8:8 + length])
         if header.get("version") != CACHE_VERSION:
@@ -116,6 +121,9 @@ def save(file: Path, config: ModelConfig, state: State) -> None:
                     f.seek(start + place["offset"])  # the gap reads as zeros
                     f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
                 f.flush()
+                # Out of the page cache once on disk: the next start reads it back on 2 MB pages.
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 os.replace(f.name, file)
             except BaseException:
                 os.unlink(f.name)
