@@ -23,6 +23,7 @@ there could be NaN, and NaN * 0 is NaN). Elsewhere (CUDA), the pool is allocated
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from dataclasses import dataclass
@@ -100,7 +101,8 @@ def zeros_on_write(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     # Huge pages where Linux grants them (THP "madvise" or "always"): decode attention jumps from block to
     # block across the pool, and on 4 KB pages nearly every block is a TLB miss (12 streams at 4,000
     # tokens of context: 0.94x the step time).
-    pages.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(OSError):  # a kernel without them: 4 KB pages
+        pages.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
 
 

@@ -60,7 +60,8 @@ def load(file: Path) -> tuple[ModelConfig, State] | None:
     try:
         with open(file, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        data.madvise(mmap.MADV_HUGEPAGE)  # see the module's docstring
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KB pages, as before
+            data.madvise(mmap.MADV_HUGEPAGE)  # see the module's docstring
         (length,) = struct.unpack_from("<Q", data)
         header = json.loads(data[8:8 + length])
         if header.get("version") != CACHE_VERSION:
@@ -123,7 +124,8 @@ def save(file: Path, config: ModelConfig, state: State) -> None:
                 f.flush()
                 # Out of the page cache once on disk: the next start reads it back on 2 MB pages.
                 os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 os.replace(f.name, file)
             except BaseException:
                 os.unlink(f.name)
