@@ -26,10 +26,11 @@
  * Up to four rows (a decode step, bound by the weight stream, or the few tokens that chose one expert)
  * use the decoded block in registers (`rows_fused`). More rows decode each chunk of 32 blocks (1,024 k)
  * into a buffer (`decode_block`) and run every tile of rows of the block over it, the tile's
- * accumulators in registers within the chunk: a prefill pays the decoding once per 128 rows. Both do the same integer sums and float steps per block,
- * so a row's bits do not depend on which one ran. The chunk and row block sizes change no bit, only the
- * speed: 32 blocks and 128 rows made the 0.5B model's layer GEMMs at 512 rows 17 % faster than 8 and 64
- * (477 against 408 GOPS, means of five alternating runs on a 2-core Zen 4), the same at 32 rows.
+ * accumulators in registers within the chunk: a prefill pays the decoding once per 128 rows. Both do the
+ * same integer sums and float steps per block, so a row's bits do not depend on which one ran. The chunk
+ * and row block sizes change no bit, only the speed: 32 blocks and 128 rows made the 0.5B model's layer
+ * GEMMs at 512 rows 17 % faster than 8 and 64 (477 against 408 GOPS, means of five alternating runs on a
+ * 2-core Zen 4), the same at 32 rows.
  *
  * Targets: the code is written once over simd.h's primitives, a panel row of 16 columns being 1, 2 or 4
  * native vectors (AVX-512, AVX2, NEON); only the tile sizes differ (the registers). Every target does the
@@ -827,10 +828,10 @@ static void qgemm_unit_##S(const QGemmCall *c, const Shape *s, const int8_t *x8,
  * units (row blocks outer, collapsed with the units, so that the threads share any row count evenly and a
  * row block's activations stay in cache while the units pass over them: units outer streamed all of x8
  * once per unit, 10 MB a unit for a 2,048-row down projection, which bound the tiles), each thread
- * taking an even share of the batch's cost (unit_cost) in one contiguous run of units. A decode step's chosen experts' small
- * GEMMs (or a fused q/k/v's three segments) thus pay one fork and two barriers, not one fork and two
- * barriers each, and each call's units are exactly those it would run alone: a row's bits do not depend
- * on the batch. */
+ * taking an even share of the batch's cost (unit_cost) in one contiguous run of units. A decode step's
+ * chosen experts' small GEMMs (or a fused q/k/v's three segments) thus pay one fork and two barriers, not
+ * one fork and two barriers each, and each call's units are exactly those it would run alone: a row's
+ * bits do not depend on the batch. */
 #define QGEMM_CALLS(S, T)                                                                          \
 void qgemm_calls_##S(const QGemmCall *calls, int64_t count) {                                      \
     Shape shapes[count];                                                                           \
