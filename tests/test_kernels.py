@@ -162,6 +162,37 @@ def test_attention_long_context_chunk_is_invariant(window, tiles):
         assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
 
 
+
+def test_attention_follows_scores_that_climb_and_leap(tiles):
+    """Scores that rise along the context (each key leans further towards the query) and one key far above
+    the rest: the tiles' softmax keeps its max until a score passes it by a wide margin, then moves it and
+    rescales; each row still matches the reference, and alone gives the same bits as in the batch."""
+    heads, kv_heads, head_dim, block_size, dtype = 4, 2, 64, 16, torch.bfloat16
+    kernel = attention_kernel(torch.device("cpu"), dtype, head_dim, heads // kv_heads, block_size)
+    if kernel is None:
+        pytest.skip("no C compiler: the torch path is used")
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, scale, ctx = 40, head_dim ** -0.5, 300
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    tables = torch.randperm(num_blocks, generator=gen)[:2 * 20].view(2, 20)
+    q = torch.randn(41, heads, head_dim, generator=gen)
+    direction = q[0].view(kv_heads, heads // kv_heads, head_dim).mean(1)  # each kv head's query direction
+    k = torch.randn(k_shape, generator=gen)
+    for t in range(ctx):  # key t: noise plus the query's direction, t / 12 times (score ~ t / 3 higher)
+        lean = 40.0 if t == 230 else t / 12
+        for s in range(2):
+            k[tables[s, t // block_size], :, :, t % block_size] += lean * direction
+    cache = KVCache(k.to(dtype), torch.randn(v_shape, generator=gen).to(dtype), kv_format("auto"))
+    q = q.to(dtype)
+    spans = [(0, 1, ctx), (1, 40, ctx - 39)]  # a decode at 300, a chunk of 40 queries ending there
+    out = _attend(kernel, q, cache, tables, spans, scale)
+    for row in (0, 1, 20, 40):
+        s, i = (0, 0) if row == 0 else (1, row - 1)
+        torch.testing.assert_close(out[row].float(), reference(q[row], cache.k, cache.v, tables[s], spans[s][2] + i, scale),
+                                   atol=2e-2, rtol=2e-2)
+        alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, spans[s][2] + i)], scale)
+        assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
+
 def _ops(dtype):
     ops = layer_ops(torch.device("cpu"), dtype)
     if ops is None:

@@ -613,7 +613,8 @@ static void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cach
  * (span, block of queries, kv head); its rows are (query, head of the group) pairs, AMX_ROWS to a tile,
  * and it walks the context AMX_KV keys at a time, aligned to absolute positions. Per step:
  *   scores = Q . K^T       tdpbf16ps, bf16 pairs summed into float32 (16 rows x 16 keys per tile)
- *   online softmax          per row, in AVX-512: the running max m, sum l, p = e^(s - m) rounded to bf16
+ *   online softmax          per row, in AVX-512: the running max m (moved only when a score passes it by
+ *                           LAZY_MAX), sum l, p = e^(s - m) rounded to bf16
  *   acc = acc * alpha + P.V tdpbf16ps into a fresh tile, then one float32 FMA per value
  * and the output is acc / l. A row's arithmetic depends on its own context alone: the steps it sees are
  * the aligned AMX_KV-key tiles that hold any of its visible keys, in order, and a step with none is not
@@ -631,6 +632,7 @@ static void NAME(const T *q, int64_t q_stride, const C *k_cache, const C *v_cach
 #define AMX_KV 32           /* keys per step: one tdpbf16ps's depth for P.V */
 #define AMX_TASK_ROWS 128   /* rows per task: its queries' state (acc, m, l) stays in L2 */
 #define AMX_AHEAD 2         /* steps of keys prefetched ahead */
+#define LAZY_MAX 8.f        /* how far (log2 units) a score may pass a row's max before the max moves */
 
 /* Every tile 16 rows of 64 bytes: tmm0-1 scores, the others the products' operands. */
 static inline void configure_attention_tiles(void) {
@@ -699,9 +701,17 @@ __attribute__((noinline)) static void softmax_step(const float *restrict s, uint
             sa = _mm512_loadu_ps(t);
             sb = _mm512_loadu_ps(t + 16);
         }
-        const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(va, low, sa),
-                                                                  _mm512_mask_blend_ps(vb, low, sb)));
-        const float m = st[r].started && st[r].m > step_max ? st[r].m : step_max;
+        /* The row's max moves only when a score passes it by more than LAZY_MAX (log2 units): below that
+         * p stays under 2^LAZY_MAX, exact enough in float32 and bf16, and the step skips the horizontal max
+         * and the rescale (flash attention 4's lazy rescaling). The choice depends on the row's scores alone. */
+        float m = st[r].m;
+        const __m512 bound = _mm512_set1_ps(m + LAZY_MAX);
+        if (!st[r].started || _mm512_mask_cmp_ps_mask(va, sa, bound, _CMP_GT_OQ) |
+                                  _mm512_mask_cmp_ps_mask(vb, sb, bound, _CMP_GT_OQ)) {
+            const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(va, low, sa),
+                                                                      _mm512_mask_blend_ps(vb, low, sb)));
+            m = st[r].started && st[r].m > step_max ? st[r].m : step_max;
+        }
         const __m512 mv = _mm512_set1_ps(m);
         const __m512 ea = _mm512_maskz_mov_ps(va, exp2_512(_mm512_sub_ps(sa, mv)));
         const __m512 eb = _mm512_maskz_mov_ps(vb, exp2_512(_mm512_sub_ps(sb, mv)));
