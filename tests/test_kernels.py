@@ -162,7 +162,6 @@ def test_attention_long_context_chunk_is_invariant(window, tiles):
         assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
 
 
-
 def test_attention_follows_scores_that_climb_and_leap(tiles):
     """Scores that rise along the context (each key leans further towards the query) and one key far above
     the rest: the tiles' softmax keeps its max until a score passes it by a wide margin, then moves it and
@@ -188,10 +187,12 @@ def test_attention_follows_scores_that_climb_and_leap(tiles):
     out = _attend(kernel, q, cache, tables, spans, scale)
     for row in (0, 1, 20, 40):
         s, i = (0, 0) if row == 0 else (1, row - 1)
-        torch.testing.assert_close(out[row].float(), reference(q[row], cache.k, cache.v, tables[s], spans[s][2] + i, scale),
+        ctx_row = spans[s][2] + i
+        torch.testing.assert_close(out[row].float(), reference(q[row], cache.k, cache.v, tables[s], ctx_row, scale),
                                    atol=2e-2, rtol=2e-2)
-        alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, spans[s][2] + i)], scale)
+        alone = _attend(kernel, q[row:row + 1], cache, tables[s:s + 1], [(0, 1, ctx_row)], scale)
         assert torch.equal(alone[0], out[row]), f"row {row} differs when computed alone"
+
 
 def _ops(dtype):
     ops = layer_ops(torch.device("cpu"), dtype)
