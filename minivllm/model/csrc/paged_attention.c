@@ -707,11 +707,9 @@ __attribute__((noinline)) static void softmax_step(const float *restrict s, uint
         float m = st[r].m;
         const __m512 bound = _mm512_set1_ps(m + LAZY_MAX);
         if (!st[r].started || _mm512_mask_cmp_ps_mask(va, sa, bound, _CMP_GT_OQ) |
-                                  _mm512_mask_cmp_ps_mask(vb, sb, bound, _CMP_GT_OQ)) {
-            const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(va, low, sa),
-                                                                      _mm512_mask_blend_ps(vb, low, sb)));
-            m = st[r].started && st[r].m > step_max ? st[r].m : step_max;
-        }
+                                  _mm512_mask_cmp_ps_mask(vb, sb, bound, _CMP_GT_OQ))
+            m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(va, low, sa),  /* above m when started */
+                                                   _mm512_mask_blend_ps(vb, low, sb)));
         const __m512 mv = _mm512_set1_ps(m);
         const __m512 ea = _mm512_maskz_mov_ps(va, exp2_512(_mm512_sub_ps(sa, mv)));
         const __m512 eb = _mm512_maskz_mov_ps(vb, exp2_512(_mm512_sub_ps(sb, mv)));
